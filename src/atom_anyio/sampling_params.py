@@ -1,0 +1,51 @@
+"""Per-request sampling parameters, shaped like vLLM's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: int | None = None  # number of top alternatives; 0 = the sampled token only
+    max_tokens: int | None = 16  # None: the rest of the context
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.top_k < 0:
+            self.top_k = 0
+        for name, ok in (
+            ("n", self.n >= 1),
+            ("temperature", self.temperature >= 0),
+            ("top_p", 0 < self.top_p <= 1),
+            ("min_p", 0 <= self.min_p <= 1),
+            ("repetition_penalty", self.repetition_penalty > 0),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2),
+            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1),
+            ("min_tokens", self.min_tokens >= 0),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20),
+        ):
+            if not ok:
+                raise ValueError(f"invalid {name}: {getattr(self, name)!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
