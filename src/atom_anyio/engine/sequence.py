@@ -76,10 +76,11 @@ class Sequence:
         self.block_hashes = block_hashes  # chained hash of every full block
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
+        self.num_committed_blocks = 0  # leading blocks already published to the prefix cache
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
         self.status = Status.WAITING
         self.max_tokens = params.max_tokens or 0
-        self.pending_logprobs: list[Logprob] | None = [] if params.logprobs is not None else None
+        self.siblings: list[Sequence] = []  # the other choices of an n > 1 request, until released
         self.arrival_time = time.monotonic()
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None

@@ -1,0 +1,81 @@
+"""The server's one frozen configuration, from ``ATOM_*`` variables or flags."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field, fields
+from functools import cached_property
+from typing import Any
+
+from atom_anyio.engine.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class Config:
+    model: str | None = None  # HF dir or GGUF file; None: SmolLM2-135M-Instruct
+    dtype: str = "float32"
+    device: str = "cpu"
+    served_model_name: str | None = None  # default: the model's name
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    kv_cache_gib: float = 2.0
+    block_size: int = 16
+    api_key: str | None = field(default=None, repr=False)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    chat_template: str | None = None  # a file path or the template itself
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    context_overflow: str = "error"  # or "drop_oldest"
+    log_format: str = "auto"  # json, console, auto (console on a TTY)
+    log_level: str = "info"
+    max_body_bytes: int = 32 * 2**20
+    drain_timeout_s: float = 30.0
+    segment_cache_tokens: int = 4_000_000
+    prepare_threads: int = 4
+
+    def __post_init__(self) -> None:
+        if self.context_overflow not in ("error", "drop_oldest"):
+            raise ValueError("context_overflow must be 'error' or 'drop_oldest'")
+        if self.log_format not in ("json", "console", "auto"):
+            raise ValueError("log_format must be json, console or auto")
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> Config:
+        """``ATOM_<FIELD>`` variables, then ``overrides`` (flags) on top."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = env.get(f"ATOM_{f.name.upper()}")
+            if raw is not None and raw != "":
+                values[f.name] = _parse(f, raw)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+    @cached_property
+    def engine(self) -> EngineConfig:
+        return EngineConfig(
+            max_model_len=self.max_model_len,
+            block_size=self.block_size,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            kv_cache_gib=self.kv_cache_gib,
+        )
+
+    def replace(self, **changes: Any) -> Config:
+        return dataclasses.replace(self, **changes)
+
+
+def _parse(f: dataclasses.Field, raw: str) -> Any:
+    kind = str(f.type)
+    if "dict" in kind:
+        return json.loads(raw)
+    if kind.startswith("int"):
+        return int(raw)
+    if kind.startswith("float"):
+        return float(raw)
+    if kind.startswith("bool"):
+        return raw.lower() in ("1", "true", "yes", "on")
+    return raw

@@ -1,0 +1,137 @@
+"""Paged KV blocks with reference counts and a prefix cache.
+
+    block states                      transitions
+    ────────────                      ───────────
+    used    ref > 0                   allocate / cache hit: free -> used, ref += 1
+    cached  ref == 0, hash set        free(seq): ref -= 1; at 0 -> cached (or empty)
+    empty   ref == 0, no hash         take from the LRU head: cached -> used, hash dropped
+
+* ``free`` is an LRU of every ref-0 block (cached and empty), oldest first;
+  a new block is always taken from its head, evicting that block's hash.
+* A block's hash is set only once all of its tokens' KV has been computed,
+  so a hit never reads KV that is still being written.
+* A hit is verified against the block's stored tokens: a hash collision can
+  never serve another prompt's KV.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from atom_anyio.engine.block_hash import ROOT_HASH, hash_block
+from atom_anyio.engine.sequence import Sequence
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None
+        self.token_ids: tuple[int, ...] = ()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int):
+        self.block_size = block_size
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[int, int] = {}  # hash -> block id
+        self.num_hit_tokens = 0  # prefix-cache hits since start (a counter for metrics)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self.free) / len(self.blocks)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # prefix cache
+
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids of the longest cached prefix of ``seq`` (at least one
+        token is always left to compute, so the last block of a fully cached
+        prompt is recomputed)."""
+        hits: list[int] = []
+        bs = self.block_size
+        for i, h in enumerate(seq.block_hashes[: (len(seq) - 1) // bs]):
+            block_id = self.cached.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != tuple(seq.token_ids[i * bs : (i + 1) * bs]):
+                break
+            hits.append(block_id)
+        return hits
+
+    def can_admit(self, seq: Sequence, num_new_tokens: int, hits: list[int]) -> bool:
+        """Enough free blocks for the hit blocks that are free plus the new chunk."""
+        num_hit_free = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        needed = self.blocks_needed(len(hits) * self.block_size + num_new_tokens) - len(hits)
+        return num_hit_free + needed <= len(self.free)
+
+    def admit(self, seq: Sequence, hits: list[int]) -> None:
+        """Take the cached prefix for ``seq``; its compute starts after it."""
+        assert not seq.block_table
+        for block_id in hits:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free[block_id]
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+        seq.num_computed_tokens = len(hits) * self.block_size
+        seq.num_committed_blocks = len(hits)
+        seq.num_cached_tokens = max(seq.num_cached_tokens, seq.num_computed_tokens)
+        self.num_hit_tokens += seq.num_computed_tokens
+
+    # allocation
+
+    def num_blocks_to_grow(self, seq: Sequence, num_new_tokens: int) -> int:
+        return max(0, self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table))
+
+    def grow(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Give ``seq`` slots for its next ``num_new_tokens`` tokens."""
+        for _ in range(self.num_blocks_to_grow(seq, num_new_tokens)):
+            block_id, _ = self.free.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.hash is not None:
+                del self.cached[block.hash]
+                block.hash, block.token_ids = None, ()
+            block.ref_count = 1
+            seq.block_table.append(block_id)
+
+    def commit(self, seq: Sequence) -> None:
+        """Publish every block of ``seq`` whose KV is now fully computed."""
+        bs = self.block_size
+        num_full = seq.num_computed_tokens // bs
+        if len(seq.block_hashes) < num_full:  # generated tokens filled blocks
+            parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_HASH
+            for i in range(len(seq.block_hashes), num_full):
+                parent = hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs])
+                seq.block_hashes.append(parent)
+        for i in range(seq.num_committed_blocks, num_full):
+            block = self.blocks[seq.block_table[i]]
+            h = seq.block_hashes[i]
+            if block.hash is None and h not in self.cached:  # else: computed twice, keep the first
+                block.hash, block.token_ids = h, tuple(seq.token_ids[i * bs : (i + 1) * bs])
+                self.cached[h] = block.block_id
+        seq.num_committed_blocks = max(seq.num_committed_blocks, num_full)
+
+    def free_seq(self, seq: Sequence) -> None:
+        """Drop ``seq``'s references; its cached blocks stay reusable (LRU)."""
+        # the tail first, so the LRU evicts a prompt's last blocks before its first
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0
+            if block.ref_count == 0:
+                self.free[block_id] = None
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.num_committed_blocks = 0

@@ -1,0 +1,17 @@
+"""The engine's one configuration object."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048  # per step, decodes and prefill chunks together
+    kv_cache_gib: float = 2.0  # memory budget of the KV pool
+    num_kv_blocks: int | None = None  # overrides the budget (tests force preemption with it)
+    enable_prefix_caching: bool = True
+    max_consecutive_step_failures: int = 3  # then the engine is marked unhealthy

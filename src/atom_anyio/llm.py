@@ -1,0 +1,135 @@
+"""The offline API, shaped like vLLM's: ``LLM(...).generate`` and ``.chat``.
+
+Each call runs the same async engine loop the server runs, inside
+``anyio.run``; the model, KV pool and prefix cache persist across calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from atom_anyio.engine.config import EngineConfig
+from atom_anyio.engine.loop import Engine
+from atom_anyio.engine.sequence import Logprob
+from atom_anyio.models.loader import LoadedModel, load_model
+from atom_anyio.sampling_params import SamplingParams
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[Logprob] | None = None
+    error: str | None = None
+
+
+@dataclass
+class RequestOutput:
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finish_reason is not None for o in self.outputs)
+
+
+PromptInput = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    """``LLM(model=None)`` serves the default model (SmolLM2-135M-Instruct)."""
+
+    def __init__(
+        self, model: str | LoadedModel | None = None, dtype: str = "float32", device: str = "cpu", **engine_kwargs: Any
+    ):
+        self.loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype, device=device)
+        self.engine = Engine(self.loaded, EngineConfig(**engine_kwargs))
+        self.tokenizer = self.loaded.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptInput | Seq[PromptInput],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Complete text prompts, token-id lists or ``{"prompt_token_ids": [...]}``."""
+        if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        items = []
+        for p in prompts:
+            if isinstance(p, str):
+                items.append((p, self.tokenizer(p)["input_ids"]))
+            elif isinstance(p, dict):
+                items.append((p.get("prompt"), list(p["prompt_token_ids"])))
+            else:
+                items.append((None, list(p)))
+        return self._run(items, params, use_tqdm)
+
+    def chat(
+        self,
+        conversations: list[dict[str, Any]] | Seq[list[dict[str, Any]]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Reply to one conversation or a list of them, through the chat template."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        items = []
+        for conv in conversations:
+            text = self.tokenizer.apply_chat_template(
+                conv, tokenize=False, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {})
+            )
+            items.append((text, self.tokenizer(text, add_special_tokens=False)["input_ids"]))
+        return self._run(items, params, use_tqdm)
+
+    def _run(self, items, params, use_tqdm: bool) -> list[RequestOutput]:
+        params = params or SamplingParams()
+        per_item = list(params) if isinstance(params, Seq) else [params] * len(items)
+        if len(per_item) != len(items):
+            raise ValueError("give one SamplingParams, or one per prompt")
+        for (_, ids), sp in zip(items, per_item, strict=True):
+            self.engine.check(len(ids), sp)
+        return anyio.run(self._generate_all, items, per_item, use_tqdm)
+
+    async def _generate_all(self, items, per_item, use_tqdm: bool) -> list[RequestOutput]:
+        from tqdm.auto import tqdm
+
+        results: list[RequestOutput | None] = [None] * len(items)
+        bar = tqdm(total=len(items), desc="generate", disable=not use_tqdm or len(items) < 2)
+        async with anyio.create_task_group() as tg:
+            await tg.start(self.engine.run)
+            async with anyio.create_task_group() as requests:
+                for i, ((text, ids), sp) in enumerate(zip(items, per_item, strict=True)):
+                    stream = self.engine.submit(ids, sp)
+                    requests.start_soon(self._collect, i, text, ids, sp, stream, results, bar)
+            tg.cancel_scope.cancel()
+        bar.close()
+        return results  # type: ignore[return-value]
+
+    @staticmethod
+    async def _collect(i, text, ids, sp, stream, results, bar) -> None:
+        outs = [CompletionOutput(index=k, logprobs=[] if sp.logprobs is not None else None) for k in range(sp.n)]
+        cached = 0
+        async with stream:
+            async for d in stream:
+                o = outs[d.index]
+                o.text += d.text
+                o.token_ids += d.token_ids
+                if d.logprobs is not None and o.logprobs is not None:
+                    o.logprobs += d.logprobs
+                if d.finish_reason is not None:
+                    o.finish_reason, o.stop_reason, o.error = d.finish_reason, d.stop_reason, d.error
+                cached = max(cached, d.num_cached_tokens)
+        results[i] = RequestOutput(prompt=text, prompt_token_ids=ids, outputs=outs, num_cached_tokens=cached)
+        bar.update(1)

@@ -1,0 +1,228 @@
+"""The engine end to end: exactness, batching, caching, preemption, abort."""
+
+from __future__ import annotations
+
+import gc
+import random
+import weakref
+
+import anyio
+import pytest
+import torch
+
+from atom_anyio import LLM, SamplingParams
+from atom_anyio.engine.config import EngineConfig
+from atom_anyio.engine.loop import Engine, EngineError
+from atom_anyio.engine.sequence import Sequence
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def mixed_prompts(tokenizer, count: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    words = "the a river stone cloud seven blue quickly runs over under bright engine token paged".split()
+    out = []
+    for _ in range(count):
+        text = " ".join(rng.choice(words) for _ in range(rng.randint(3, 90)))
+        out.append(tokenizer(text)["input_ids"])
+    return out
+
+
+def greedy_ids(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
+    return [r.outputs[0].token_ids for r in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_model):
+    return LLM(tiny_model)
+
+
+@pytest.fixture(scope="module")
+def prompts16(tiny_model):
+    return mixed_prompts(tiny_model.tokenizer, 16)
+
+
+@pytest.fixture(scope="module")
+def reference16(tiny_model, prompts16):
+    """Each prompt alone, no prefix cache: the reference every variant must equal."""
+    llm = LLM(tiny_model, enable_prefix_caching=False)
+    return [greedy_ids(llm, [p])[0] for p in prompts16]
+
+
+def test_smollm2_greedy_equals_transformers(smollm2, smollm2_path):
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path), dtype=torch.float32
+    ).eval()
+    tok = smollm2.tokenizer
+    questions = [
+        "What is the capital of France?",
+        "Write a haiku about the sea.",
+        "Explain what a hash table is in two sentences.",
+        "List three prime numbers and say why they are prime.",
+    ]
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+        for q in questions
+    ]
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    llm = LLM(smollm2)
+    ours = greedy_ids(
+        llm, [{"prompt_token_ids": i} for i in ids], SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    )
+    for prompt_ids, got in zip(ids, ours, strict=True):
+        with torch.inference_mode():
+            ref = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=48, do_sample=False, min_new_tokens=48)
+        assert got == ref[0, len(prompt_ids) :].tolist()
+    first = llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0]
+    assert first.outputs[0].text.startswith("The capital of France is Paris.")
+
+
+def test_greedy_alone_equals_greedy_in_a_batch_of_16(tiny_model, prompts16, reference16):
+    llm = LLM(tiny_model, enable_prefix_caching=False)
+    assert greedy_ids(llm, prompts16) == reference16
+
+
+def test_prefix_cache_hit_leaves_greedy_output_unchanged(tiny_model, prompts16, reference16):
+    llm = LLM(tiny_model)
+    bm = llm.engine.block_manager
+    first = greedy_ids(llm, prompts16[:4])
+    hits_before = bm.num_hit_tokens
+    again = greedy_ids(llm, prompts16[:4])
+    assert first == again == reference16[:4]
+    expected_hits = sum((len(p) - 1) // bm.block_size * bm.block_size for p in prompts16[:4])
+    assert bm.num_hit_tokens - hits_before == expected_hits
+
+
+def test_generated_tokens_become_cached_blocks(tiny_model, prompts16):
+    llm = LLM(tiny_model)
+    prompt = prompts16[0]
+    out = greedy_ids(llm, [prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0]
+    before = llm.engine.block_manager.num_hit_tokens
+    greedy_ids(llm, [prompt + out])
+    bs = llm.engine.block_manager.block_size
+    assert llm.engine.block_manager.num_hit_tokens - before == (len(prompt) + len(out) - 1) // bs * bs
+
+
+def test_chunked_prefill_with_a_tiny_budget_leaves_greedy_output_unchanged(tiny_model, prompts16, reference16):
+    llm = LLM(tiny_model, max_num_batched_tokens=8, enable_prefix_caching=False)
+    assert greedy_ids(llm, prompts16) == reference16
+
+
+def test_forced_preemption_leaves_greedy_output_unchanged(tiny_model, prompts16, reference16):
+    llm = LLM(tiny_model, num_kv_blocks=24, max_model_len=256)
+    assert greedy_ids(llm, prompts16) == reference16
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.block_manager.num_free_blocks == 24
+
+
+def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(tiny_llm, prompts16):
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = greedy_ids(tiny_llm, [prompts16[3]], seeded)[0]
+    params = [SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)] * 16
+    params[7] = seeded
+    batch = [p for p in prompts16]
+    batch[7] = prompts16[3]
+    in_batch = [r.outputs[0].token_ids for r in tiny_llm.generate(batch, params, use_tqdm=False)]
+    assert in_batch[7] == alone
+    other = greedy_ids(
+        tiny_llm, [prompts16[3]], SamplingParams(temperature=1.0, seed=99, max_tokens=16, ignore_eos=True)
+    )
+    assert other[0] != alone
+
+
+def test_n_choices_share_the_prompt_blocks(tiny_llm, prompts16):
+    prompt = prompts16[5]
+    bm = tiny_llm.engine.block_manager
+    before = bm.num_hit_tokens
+    out = tiny_llm.generate(
+        [prompt], SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True), use_tqdm=False
+    )[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2, 3]
+    assert all(len(o.token_ids) == 8 for o in out.outputs)
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+    full = (len(prompt) - 1) // bm.block_size * bm.block_size
+    assert bm.num_hit_tokens - before >= 3 * full
+
+
+def test_stop_string_ends_the_output_before_it(tiny_llm, prompts16):
+    full = tiny_llm.generate([prompts16[2]], GREEDY, use_tqdm=False)[0].outputs[0].text
+    assert len(full) > 12
+    stop = full[8:12]
+    cut = full[: full.index(stop)]
+    out = tiny_llm.generate([prompts16[2]], SamplingParams(temperature=0, max_tokens=24, stop=[stop]), use_tqdm=False)
+    o = out[0].outputs[0]
+    assert (o.text, o.finish_reason, o.stop_reason) == (cut, "stop", stop)
+    inc = SamplingParams(temperature=0, max_tokens=24, stop=[stop], include_stop_str_in_output=True)
+    assert tiny_llm.generate([prompts16[2]], inc, use_tqdm=False)[0].outputs[0].text == cut + stop
+
+
+def test_max_tokens_min_tokens_and_stop_token_ids(tiny_llm, prompts16):
+    ref = greedy_ids(tiny_llm, [prompts16[1]])[0]
+    stop_at = ref[5]
+    first = ref.index(stop_at)
+    o = tiny_llm.generate(
+        [prompts16[1]], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_at]), use_tqdm=False
+    )
+    out = o[0].outputs[0]
+    assert out.token_ids == ref[: first + 1] and out.finish_reason == "stop" and out.stop_reason == stop_at
+    o = tiny_llm.generate([prompts16[1]], SamplingParams(temperature=0, max_tokens=7, ignore_eos=True), use_tqdm=False)
+    assert o[0].outputs[0].finish_reason == "length" and len(o[0].outputs[0].token_ids) == 7
+    eos = tiny_llm.engine.eos_token_ids[0]
+    forced = SamplingParams(temperature=0, max_tokens=10, min_tokens=4, logit_bias={eos: 100.0})
+    out = tiny_llm.generate([prompts16[1]], forced, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 5 and out.token_ids[-1] == eos and out.finish_reason == "stop"
+
+
+def test_logprobs_are_returned_per_token(tiny_llm, prompts16):
+    out = tiny_llm.generate([prompts16[0]], SamplingParams(temperature=0, max_tokens=5, logprobs=3), use_tqdm=False)
+    o = out[0].outputs[0]
+    assert len(o.logprobs) == len(o.token_ids)
+    for tok, lp in zip(o.token_ids, o.logprobs, strict=True):
+        assert lp.token_id == tok and len(lp.top) == 3 and lp.top[0][0] == tok and lp.logprob <= 0
+
+
+def test_impossible_prompt_is_refused_at_submit(tiny_model):
+    llm = LLM(tiny_model, max_model_len=64)
+    with pytest.raises(EngineError, match="maximum context length is 64"):
+        llm.generate([list(range(100))], SamplingParams(max_tokens=4), use_tqdm=False)
+    small_pool = LLM(tiny_model, num_kv_blocks=2, max_model_len=1024)
+    with pytest.raises(EngineError, match="KV cache"):
+        small_pool.generate([list(range(40))], SamplingParams(max_tokens=4), use_tqdm=False)
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request):
+    return request.param
+
+
+@pytest.mark.anyio
+async def test_abort_frees_every_block_and_no_sequence_survives(tiny_model, prompts16):
+    engine = Engine(tiny_model, EngineConfig(max_num_batched_tokens=64))
+    bm = engine.block_manager
+    initial_free = bm.num_free_blocks
+    refs: list[weakref.ref] = []
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    async with anyio.create_task_group() as tg:
+        await tg.start(engine.run)
+        streams = [engine.submit(p, params) for p in prompts16[:6]]
+        refs = [weakref.ref(s) for s in engine._inbox]
+        # read a few deltas from some, none from others, then walk away from all
+        for s in streams[:3]:
+            await s.receive()
+        for s in streams:
+            await s.aclose()
+        finished = engine.submit(prompts16[7], SamplingParams(temperature=0, max_tokens=3))
+        async with finished:
+            deltas = [d async for d in finished]
+        assert deltas[-1].finish_reason == "length"
+        assert not engine.scheduler.running and not engine.scheduler.waiting
+        tg.cancel_scope.cancel()
+    assert bm.num_free_blocks == initial_free
+    del streams, deltas, finished
+    gc.collect()
+    assert all(r() is None for r in refs)
+    assert not [o for o in gc.get_objects() if isinstance(o, Sequence)]
