@@ -95,7 +95,9 @@ print("RESULT", json.dumps({"elapsed_s": time.perf_counter() - t, "output_tokens
 
 def run_vllm(python: str, hf_dir: str, dtype: str, prompts, output_len: int) -> dict:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump({"model": hf_dir, "dtype": dtype, "prompts": prompts, "output_len": output_len, "max_model_len": 2048}, f)
+        json.dump(
+            {"model": hf_dir, "dtype": dtype, "prompts": prompts, "output_len": output_len, "max_model_len": 2048}, f
+        )
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "4"}
     proc = subprocess.run([python, "-c", VLLM_SCRIPT, f.name], capture_output=True, text=True, env=env)
     for line in proc.stdout.splitlines():
@@ -114,8 +116,12 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--skip-transformers", action="store_true")
-    ap.add_argument("--vllm-python", default=os.environ.get("ATOM_VLLM_PYTHON"), help="a Python with vllm-cpu installed")
-    ap.add_argument("--vllm-model-dir", default=os.environ.get("ATOM_VLLM_MODEL_DIR"), help="HF dir of the same weights")
+    ap.add_argument(
+        "--vllm-python", default=os.environ.get("ATOM_VLLM_PYTHON"), help="a Python with vllm-cpu installed"
+    )
+    ap.add_argument(
+        "--vllm-model-dir", default=os.environ.get("ATOM_VLLM_MODEL_DIR"), help="HF dir of the same weights"
+    )
     args = ap.parse_args()
 
     torch.manual_seed(0)
@@ -130,12 +136,16 @@ def main() -> None:
 
     for r in rows.values():
         r["output_tok_s"] = r["output_tokens"] / r["elapsed_s"]
-    print(f"\n{args.num_prompts} prompts x {args.prompt_len} tokens, {args.output_len} output tokens, {args.dtype}, "
-          f"torch threads {torch.get_num_threads()}")
+    print(
+        f"\n{args.num_prompts} prompts x {args.prompt_len} tokens, {args.output_len} output tokens, {args.dtype}, "
+        f"torch threads {torch.get_num_threads()}"
+    )
     print(f"{'system':<14}{'elapsed s':>12}{'out tok':>10}{'out tok/s':>12}{'atom ratio':>12}")
     atom = rows["atom_anyio"]["output_tok_s"]
     for name, r in rows.items():
-        print(f"{name:<14}{r['elapsed_s']:>12.1f}{r['output_tokens']:>10}{r['output_tok_s']:>12.1f}{atom / r['output_tok_s']:>12.2f}")
+        print(
+            f"{name:<14}{r['elapsed_s']:>12.1f}{r['output_tokens']:>10}{r['output_tok_s']:>12.1f}{atom / r['output_tok_s']:>12.2f}"
+        )
     t = rows["atom_anyio"]["timings"]
     total = rows["atom_anyio"]["elapsed_s"]
     print(f"\nwhere atom_anyio's time goes ({rows['atom_anyio']['steps']} steps):")

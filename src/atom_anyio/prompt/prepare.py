@@ -1,0 +1,329 @@
+"""One request's prompt, ready for the engine: rendered, tokenized, cut to the context, hashed.
+
+``prepare_prompt`` is the only tokenization a request gets; the engine never encodes again.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jinja2
+
+from atom_anyio.engine.block_hash import block_hash_chain
+from atom_anyio.prompt.render import RESERVED_TEMPLATE_VARIABLES, compile_chat_template, render_chat
+from atom_anyio.prompt.segment_cache import SegmentCache, Tokenized
+
+CONTEXT_OVERFLOW_POLICIES = ("error", "drop_oldest")
+TRUNCATION_MODES = ("disabled", "auto", "drop_oldest")
+_SYSTEM_ROLES = frozenset({"system", "developer"})
+_ANCHOR_CHARS = 256
+
+
+class PromptError(ValueError):
+    """A prompt that cannot be prepared; the API layer answers 400 in its own error shape."""
+
+    def __init__(self, message: str, *, code: str = "invalid_value", param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.code = code  # "invalid_value" or "context_length_exceeded"
+        self.param = param  # the request field at fault
+
+
+@dataclass(frozen=True)
+class PromptRequest:
+    """The prompt part of a request: exactly one of messages, prompt, prompt_token_ids."""
+
+    messages: list[dict] | None = None  # chat; content already flattened to str
+    prompt: str | None = None  # completions, raw text
+    prompt_token_ids: list[int] | None = None  # completions, token ids
+    tools: list[dict] | None = None
+    chat_template_kwargs: dict | None = None  # merged over the server's defaults
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    max_tokens: int | None = None  # completion tokens; None: the rest of the context
+    truncate_prompt_tokens: int | None = None  # keep only the last N prompt tokens; -1: as many as fit
+    truncation: str | None = None  # None: the server's policy; "disabled"; "auto"/"drop_oldest"
+
+    @property
+    def param(self) -> str:
+        return "messages" if self.messages is not None else "prompt"
+
+    @property
+    def num_reserved_output_tokens(self) -> int:
+        return self.max_tokens if self.max_tokens is not None else 1
+
+
+@dataclass(frozen=True)
+class PrepareContext:
+    """Everything ``prepare_prompt`` reads besides the request; built once at startup."""
+
+    tokenizer: Any
+    segment_cache: SegmentCache
+    max_model_len: int
+    block_size: int
+    chat_template: str | Mapping[str, str] | None = None  # None: the tokenizer's
+    default_chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    context_overflow: str = "error"  # or "drop_oldest": drop the oldest messages of a chat that does not fit
+
+    def __post_init__(self) -> None:
+        if self.context_overflow not in CONTEXT_OVERFLOW_POLICIES:
+            raise ValueError(
+                f"context_overflow must be one of {CONTEXT_OVERFLOW_POLICIES}, got {self.context_overflow!r}"
+            )
+        if self.segment_cache.tokenizer is not self.tokenizer:
+            raise ValueError("segment_cache must wrap this context's tokenizer")
+        if self.max_model_len < 1 or self.block_size < 1:
+            raise ValueError("max_model_len and block_size must be at least 1")
+        if reserved := RESERVED_TEMPLATE_VARIABLES & self.default_chat_template_kwargs.keys():
+            raise ValueError(f"default_chat_template_kwargs may not set {sorted(reserved)}")
+        sources = self.template_sources
+        for source in sources.values() if isinstance(sources, Mapping) else [sources]:
+            if source is not None:
+                compile_chat_template(source)  # a broken template fails at startup, not per request
+
+    @property
+    def template_sources(self) -> str | Mapping[str, str] | None:
+        if self.chat_template is not None:
+            return self.chat_template
+        return getattr(self.tokenizer, "chat_template", None)
+
+    @functools.cached_property
+    def template_globals(self) -> dict[str, Any]:
+        """What every render sees under the request's kwargs: bos/eos tokens and the server's defaults."""
+        return {**self.tokenizer.special_tokens_map, **self.default_chat_template_kwargs}
+
+    @functools.cached_property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
+    def template_for(self, tools: list[dict] | None) -> jinja2.Template:
+        source = self.template_sources
+        if isinstance(source, Mapping):
+            source = source.get("tool_use") if tools and "tool_use" in source else source.get("default")
+        if source is None:
+            raise PromptError("this model has no chat template; send a raw prompt instead", param="messages")
+        return compile_chat_template(source)
+
+
+@dataclass(frozen=True)
+class PreparedPrompt:
+    """A prompt the engine can run as is."""
+
+    token_ids: list[int]
+    text: str | None  # the text the engine runs (None for a prompt given as token ids)
+    block_hashes: list[int]  # block_hash_chain(token_ids, block_size)
+    max_tokens: int  # resolved: the request's, or the rest of the context
+    num_segment_cache_hit_tokens: int = 0
+    num_dropped_messages: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+def prepare_prompt(request: PromptRequest, ctx: PrepareContext) -> PreparedPrompt:
+    """Render, tokenize (through the segment cache), cut to the context and hash one request's
+    prompt. Plain synchronous code, meant for one worker-thread hop; raises ``PromptError``."""
+    _validate(request)
+    prepare = _prepare_chat if request.messages is not None else _prepare_completion
+    text, token_ids, num_hits, num_dropped = prepare(request, ctx)
+    if not token_ids:
+        raise PromptError(f"the {request.param} must not be empty", param=request.param)
+    token_ids, text = _truncate_tokens(request, ctx, token_ids, text)
+    if len(token_ids) + request.num_reserved_output_tokens > ctx.max_model_len:
+        raise _context_length_error(request, ctx, len(token_ids), num_dropped)
+    return PreparedPrompt(
+        token_ids=token_ids,
+        text=text,
+        block_hashes=block_hash_chain(token_ids, ctx.block_size),
+        max_tokens=request.max_tokens if request.max_tokens is not None else ctx.max_model_len - len(token_ids),
+        num_segment_cache_hit_tokens=num_hits,
+        num_dropped_messages=num_dropped,
+    )
+
+
+def _validate(request: PromptRequest) -> None:
+    if sum(x is not None for x in (request.messages, request.prompt, request.prompt_token_ids)) != 1:
+        raise PromptError("exactly one of messages, prompt and prompt_token_ids is required", param=request.param)
+    if request.max_tokens is not None and request.max_tokens < 1:
+        raise PromptError(f"max_tokens must be at least 1, got {request.max_tokens}", param="max_tokens")
+    if (n := request.truncate_prompt_tokens) is not None and n < 1 and n != -1:
+        raise PromptError(f"truncate_prompt_tokens must be -1 or at least 1, got {n}", param="truncate_prompt_tokens")
+    if request.truncation is not None and request.truncation not in TRUNCATION_MODES:
+        raise PromptError(
+            f"truncation must be one of {TRUNCATION_MODES}, got {request.truncation!r}", param="truncation"
+        )
+    if request.continue_final_message and request.add_generation_prompt:
+        raise PromptError(
+            "continue_final_message and add_generation_prompt cannot both be set", param="continue_final_message"
+        )
+    if reserved := RESERVED_TEMPLATE_VARIABLES & (request.chat_template_kwargs or {}).keys():
+        raise PromptError(f"chat_template_kwargs may not set {sorted(reserved)}", param="chat_template_kwargs")
+
+
+def _prepare_completion(request: PromptRequest, ctx: PrepareContext) -> tuple[str | None, list[int], int, int]:
+    """(text, token ids, cache-hit tokens, 0); a text prompt gets BOS/EOS as ``tokenizer(text)`` adds them."""
+    if request.prompt is not None:
+        if not request.prompt:
+            raise PromptError("the prompt must not be empty", param="prompt")
+        tokens = ctx.segment_cache.encode(request.prompt, add_special_tokens=True)
+        return request.prompt, tokens.token_ids, tokens.num_hit_tokens, 0
+    token_ids = list(request.prompt_token_ids)
+    if token_ids and (min(token_ids) < 0 or max(token_ids) >= ctx.vocab_size):
+        raise PromptError(f"prompt token ids must be in [0, {ctx.vocab_size})", param="prompt")
+    return None, token_ids, 0, 0
+
+
+def _prepare_chat(request: PromptRequest, ctx: PrepareContext) -> tuple[str, list[int], int, int]:
+    """(text, token ids, cache-hit tokens, dropped messages): the rendered, tokenized chat,
+    with the oldest messages dropped if it must and may."""
+    if not request.messages:
+        raise PromptError("messages must not be empty", param="messages")
+    render = functools.partial(
+        _render_tokenize,
+        template=ctx.template_for(request.tools),
+        request=request,
+        template_kwargs={**ctx.template_globals, **(request.chat_template_kwargs or {})},
+        segment_cache=ctx.segment_cache,
+    )
+    text, tokens = render(request.messages)
+    cap = ctx.max_model_len - request.num_reserved_output_tokens
+    num_dropped = 0
+    if len(tokens.token_ids) > cap >= 1 and _drops_oldest(request, ctx):
+        text, tokens, num_dropped = _drop_oldest(render, request.messages, text, tokens, cap)
+    return text, tokens.token_ids, tokens.num_hit_tokens, num_dropped
+
+
+def _render_tokenize(
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    template: jinja2.Template,
+    request: PromptRequest,
+    template_kwargs: Mapping[str, Any],
+    segment_cache: SegmentCache,
+) -> tuple[str, Tokenized]:
+    try:
+        text = render_chat(
+            template,
+            messages,
+            tools=request.tools,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            template_kwargs=template_kwargs,
+        )
+    except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError) as exc:
+        raise PromptError(f"the chat template cannot render these messages: {exc}", param="messages") from exc
+    return text, segment_cache.encode(text)
+
+
+def _drops_oldest(request: PromptRequest, ctx: PrepareContext) -> bool:
+    if request.truncate_prompt_tokens is not None:
+        return False  # the request chose its own cut
+    return (request.truncation or ctx.context_overflow) in ("auto", "drop_oldest")
+
+
+def _drop_oldest(
+    render: Callable[[list], tuple[str, Tokenized]],
+    messages: list[dict],
+    text: str,
+    tokens: Tokenized,
+    cap: int,
+) -> tuple[str, Tokenized, int]:
+    """Drop whole oldest units (see ``_droppable_units``) until the chat fits in ``cap`` tokens.
+
+    Each round estimates every kept message's tokens from the segment spans, drops as many
+    units as cover the excess in one go, then re-renders (the kept pieces are cache hits)."""
+    units = _droppable_units(messages)
+    num_units_dropped = 0
+    dropped: set[int] = set()
+    while len(tokens.token_ids) > cap and num_units_dropped < len(units):
+        kept = [i for i in range(len(messages)) if i not in dropped]
+        sizes = dict(zip(kept, _message_token_counts(text, tokens, [messages[i] for i in kept]), strict=True))
+        excess = len(tokens.token_ids) - cap
+        while excess > 0 and num_units_dropped < len(units):
+            excess -= sum(sizes[i] for i in units[num_units_dropped])
+            dropped.update(units[num_units_dropped])
+            num_units_dropped += 1
+        text, tokens = render([m for i, m in enumerate(messages) if i not in dropped])
+    return text, tokens, len(dropped)
+
+
+def _droppable_units(messages: Sequence[Mapping[str, Any]]) -> list[list[int]]:
+    """Indices of the messages that may be dropped, oldest first, in units dropped together:
+    a tool result stays with the message that called it. System messages and the latest turn
+    (the last unit: the last message, back to its tool call) are never dropped."""
+    units: list[list[int]] = []
+    for i, message in enumerate(messages):
+        role = message.get("role")
+        if role in _SYSTEM_ROLES:
+            continue
+        if role == "tool" and units:
+            units[-1].append(i)
+        else:
+            units.append([i])
+    return units[:-1]
+
+
+def _message_token_counts(text: str, tokens: Tokenized, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    """Estimated tokens of each message in the rendered ``text``: from where its content
+    starts to where the next found message's starts. An estimate; the caller re-renders."""
+    starts: list[int | None] = []
+    at = 0
+    for message in messages:
+        anchor = _anchor(message)
+        found = text.find(anchor, at) if anchor else -1
+        starts.append(tokens.token_offset(found) if found >= 0 else None)
+        at = found + len(anchor) if found >= 0 else at
+    counts = [0] * len(messages)
+    end = len(tokens.token_ids)
+    for i in reversed(range(len(messages))):
+        if starts[i] is not None:
+            counts[i], end = end - starts[i], starts[i]
+    return counts
+
+
+def _anchor(message: Mapping[str, Any]) -> str:
+    """A piece of the message likely to appear verbatim in the rendered chat."""
+    content = message.get("content")
+    if isinstance(content, str) and content.strip():
+        return content.strip()[:_ANCHOR_CHARS]
+    for call in message.get("tool_calls") or ():
+        name = (call.get("function") or {}).get("name") if isinstance(call, Mapping) else None
+        if isinstance(name, str) and name:
+            return name
+    return ""
+
+
+def _truncate_tokens(
+    request: PromptRequest, ctx: PrepareContext, token_ids: list[int], text: str | None
+) -> tuple[list[int], str | None]:
+    """``truncate_prompt_tokens``: keep the last N tokens (-1: as many as leave room for the completion)."""
+    n = request.truncate_prompt_tokens
+    if n is None:
+        return token_ids, text
+    keep = ctx.max_model_len - request.num_reserved_output_tokens if n == -1 else n
+    if keep < 1 or len(token_ids) <= keep:
+        return token_ids, text
+    token_ids = token_ids[-keep:]
+    return token_ids, ctx.tokenizer.decode(token_ids) if text is not None else None
+
+
+def _context_length_error(
+    request: PromptRequest, ctx: PrepareContext, num_prompt_tokens: int, num_dropped: int
+) -> PromptError:
+    num_output = request.num_reserved_output_tokens
+    message = (
+        f"This model's maximum context length is {ctx.max_model_len} tokens. However, you requested "
+        f"{num_prompt_tokens + num_output} tokens ({num_prompt_tokens} in the {request.param}, "
+        f"{num_output} in the completion)."
+    )
+    if num_dropped:
+        message += (
+            f" That is after dropping the {num_dropped} oldest messages that may be dropped "
+            "(system messages and the latest turn are kept)."
+        )
+    message += f" Please reduce the length of the {request.param} or completion."
+    return PromptError(message, code="context_length_exceeded", param=request.param)
