@@ -50,3 +50,9 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_path: str):
 @pytest.fixture(scope="session")
 def tiny_model(tiny_model_dir) -> LoadedModel:
     return load_model(str(tiny_model_dir))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    from atom_anyio.obs.logging import configure_logging
+
+    configure_logging("console", "info")

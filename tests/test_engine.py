@@ -92,7 +92,9 @@ def test_smollm2_greedy_equals_transformers(smollm2, smollm2_path):
     for prompt_ids, got in zip(ids, ours, strict=True):
         with torch.inference_mode():
             x = torch.tensor([prompt_ids])  # an explicit mask: the pad id (2) is <|im_end|>, inside every prompt
-            ref = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=48, do_sample=False, eos_token_id=None)
+            ref = hf.generate(
+                x, attention_mask=torch.ones_like(x), max_new_tokens=48, do_sample=False, eos_token_id=None
+            )
         assert got == ref[0, len(prompt_ids) :].tolist()
     first = llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0]
     assert first.outputs[0].text.startswith("The capital of France is Paris.")

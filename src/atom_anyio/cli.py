@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 
@@ -24,6 +25,75 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+SERVE_FLAGS = {
+    "model": str,
+    "dtype": str,
+    "device": str,
+    "served_model_name": str,
+    "max_model_len": int,
+    "max_num_seqs": int,
+    "max_num_batched_tokens": int,
+    "kv_cache_gib": float,
+    "api_key": str,
+    "host": str,
+    "port": int,
+    "chat_template": str,
+    "default_chat_template_kwargs": json.loads,
+    "context_overflow": str,
+    "log_format": str,
+    "log_level": str,
+    "max_body_bytes": int,
+    "drain_timeout_s": float,
+}
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from atom_anyio.api.app import AtomApp
+    from atom_anyio.config import Config
+    from atom_anyio.obs.logging import configure_logging
+
+    config = Config.from_env(**{name: getattr(args, name) for name in SERVE_FLAGS})
+    configure_logging(config.log_format, config.log_level)
+    return asyncio.run(serve(AtomApp(config)))
+
+
+async def serve(app) -> int:
+    """Run hypercorn until SIGINT/SIGTERM (exit 0) or an engine crash (exit 1)."""
+    import signal
+
+    import anyio
+    from hypercorn.asyncio import serve as hypercorn_serve
+    from hypercorn.config import Config as HypercornConfig
+
+    cfg = app.server.config
+    hc = HypercornConfig()
+    hc.bind = [f"{cfg.host}:{cfg.port}"]
+    hc.graceful_timeout = cfg.drain_timeout_s
+    hc.accesslog = None
+    crashed = False
+
+    async def shutdown_trigger() -> None:
+        async def on_signal() -> None:
+            with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async for _ in signals:
+                    tg.cancel_scope.cancel()
+
+        async def on_crash() -> None:
+            nonlocal crashed
+            await app.server.stop_on_crash()
+            crashed = True
+            tg.cancel_scope.cancel()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(on_signal)
+            tg.start_soon(on_crash)
+
+    await hypercorn_serve(app, hc, shutdown_trigger=shutdown_trigger)
+    return 1 if crashed else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="atom-anyio", description="An anyio-native LLM inference server.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -39,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("-n", type=int, default=1)
     gen.set_defaults(func=_generate)
+
+    srv = sub.add_parser("serve", help="serve the OpenAI API (flags override ATOM_* variables)")
+    for name, kind in SERVE_FLAGS.items():
+        srv.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None)
+    srv.set_defaults(func=_serve)
     return ap
 
 

@@ -29,6 +29,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        self.stop = list(self.stop or [])
         if self.top_k < 0:
             self.top_k = 0
         for name, ok in (

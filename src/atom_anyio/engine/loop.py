@@ -81,16 +81,29 @@ class Engine:
     ) -> MemoryObjectReceiveStream[Delta]:
         """Queue a request; its deltas arrive on the returned stream, tagged
         with the choice index, until every choice has finished."""
+        return self.submit_many([(prompt_token_ids, block_hashes, params)])
+
+    def submit_many(
+        self, prompts: Seq[tuple[Seq[int], list[int] | None, SamplingParams]]
+    ) -> MemoryObjectReceiveStream[Delta]:
+        """Several prompts as one request on one stream: prompt ``i``'s
+        choices are numbered after those of the prompts before it."""
         if not self.is_running:
             raise EngineDeadError(self.error or "the engine is not running")
-        max_tokens = self.check(len(prompt_token_ids), params)
-        ids = list(prompt_token_ids)
-        hashes = block_hashes if block_hashes is not None else block_hash_chain(ids, self.cfg.block_size)
+        checked = [(list(ids), hashes, params, self.check(len(ids), params)) for ids, hashes, params in prompts]
         send, receive = anyio.create_memory_object_stream[Delta](max_buffer_size=math.inf)
+        index = 0
         with send:
-            seqs = [self._new_sequence(ids, hashes, params, max_tokens, send.clone(), i) for i in range(params.n)]
-        seqs[0].siblings = seqs[1:]  # released once the first has prefilled the shared prompt
-        self._inbox.append(seqs[0])
+            for ids, hashes, params, max_tokens in checked:
+                if hashes is None:
+                    hashes = block_hash_chain(ids, self.cfg.block_size)
+                seqs = [
+                    self._new_sequence(ids, hashes, params, max_tokens, send.clone(), index + i)
+                    for i in range(params.n)
+                ]
+                index += params.n
+                seqs[0].siblings = seqs[1:]  # released once the first has prefilled the shared prompt
+                self._inbox.append(seqs[0])
         self._wakeup.set()
         return receive
 
@@ -123,7 +136,7 @@ class Engine:
             stop=params.stop,
             include_stop_str_in_output=params.include_stop_str_in_output,
         )
-        seed = None if params.seed is None else params.seed + index
+        seed = None if params.seed is None else params.seed + index  # choices differ, runs repeat
         seq = Sequence(list(ids), params, stream, detok, list(hashes), index=index, seed=seed)
         seq.max_tokens = max_tokens
         return seq

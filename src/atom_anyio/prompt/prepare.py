@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -143,6 +144,13 @@ def prepare_prompt(request: PromptRequest, ctx: PrepareContext) -> PreparedPromp
         num_segment_cache_hit_tokens=num_hits,
         num_dropped_messages=num_dropped,
     )
+
+
+def tokenize_prompt(request: PromptRequest, ctx: PrepareContext) -> list[int]:
+    """The ids ``prepare_prompt`` would start from, before any context rule (for /tokenize)."""
+    _validate(request)
+    prepare = _prepare_chat if request.messages is not None else _prepare_completion
+    return prepare(dataclasses.replace(request, truncation="disabled"), ctx)[1]
 
 
 def _validate(request: PromptRequest) -> None:

@@ -1,0 +1,126 @@
+"""The ASGI app: ``hypercorn atom_anyio:app``.
+
+The callable owns the lifespan (and through ``Server.serving`` the root task
+group holding the engine loop); Quart only routes HTTP. Importing this module
+loads nothing heavy: the model is loaded when the lifespan starts.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+import structlog
+from quart import Quart, request
+from werkzeug.exceptions import HTTPException
+
+from atom_anyio.api.errors import APIError
+from atom_anyio.api.misc import misc_blueprint
+from atom_anyio.api.openai_chat import chat_blueprint
+from atom_anyio.api.openai_completions import completions_blueprint
+from atom_anyio.api.server import Server
+from atom_anyio.config import Config
+from atom_anyio.models.loader import LoadedModel
+
+log = structlog.get_logger("atom_anyio.app")
+
+OPEN_PATHS = ("/health", "/metrics", "/version")
+
+
+class AtomApp:
+    """ASGI callable: lifespan here, HTTP to Quart."""
+
+    def __init__(self, config: Config | None = None, loaded: LoadedModel | None = None):
+        self._config = config
+        self._loaded = loaded
+        self._server: Server | None = None
+        self._quart: Quart | None = None
+
+    @property
+    def server(self) -> Server:
+        if self._server is None:
+            self._server = Server(self._config or Config.from_env(), self._loaded)
+        return self._server
+
+    @property
+    def quart(self) -> Quart:
+        if self._quart is None:
+            self._quart = build_quart(self.server)
+        return self._quart
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+        else:
+            await self.quart(scope, receive, send)
+
+    async def _lifespan(self, receive: Any, send: Any) -> None:
+        message = await receive()
+        assert message["type"] == "lifespan.startup"
+        started = False
+        try:
+            async with self.server.serving():
+                await self.quart.startup()
+                started = True
+                await send({"type": "lifespan.startup.complete"})
+                message = await receive()  # lifespan.shutdown
+                await self.quart.shutdown()
+        except BaseException as exc:
+            log.exception("lifespan.failed")
+            if not started:
+                await send({"type": "lifespan.startup.failed", "message": f"{type(exc).__name__}: {exc}"})
+                return
+            raise
+        await send({"type": "lifespan.shutdown.complete"})
+
+
+def build_quart(server: Server) -> Quart:
+    app = Quart("atom_anyio")
+    app.config["MAX_CONTENT_LENGTH"] = server.config.max_body_bytes
+    app.config["PROVIDE_AUTOMATIC_OPTIONS"] = True
+    app.register_blueprint(chat_blueprint(server))
+    app.register_blueprint(completions_blueprint(server))
+    app.register_blueprint(misc_blueprint(server))
+
+    @app.before_request
+    async def authenticate() -> None:
+        key = server.config.api_key
+        if not key or request.path in OPEN_PATHS:
+            return
+        given = request.headers.get("Authorization", "")
+        token = given[7:] if given[:7].lower() == "bearer " else ""
+        if not token and request.path.startswith("/v1/messages"):
+            token = request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(token.encode(), key.encode()):
+            raise APIError(401, "Invalid or missing API key.", code="invalid_api_key")
+
+    @app.errorhandler(APIError)
+    async def api_error(err: APIError) -> Any:
+        return error_response(err)
+
+    @app.errorhandler(HTTPException)
+    async def http_error(err: HTTPException) -> Any:
+        messages = {
+            404: f"No route for {request.method} {request.path}.",
+            405: f"Method {request.method} is not allowed for {request.path}.",
+            413: f"The request body is larger than the limit of {server.config.max_body_bytes} bytes.",
+        }
+        code = err.code or 500
+        return error_response(
+            APIError(code, messages.get(code, err.description or err.name), code=err.name.lower().replace(" ", "_"))
+        )
+
+    @app.errorhandler(Exception)
+    async def unexpected(err: Exception) -> Any:
+        log.exception("request.unhandled_error")
+        return error_response(APIError(500, f"Internal error: {type(err).__name__}", code="internal_error"))
+
+    return app
+
+
+def error_response(err: APIError) -> Any:
+    body = err.anthropic() if request.path.startswith("/v1/messages") else err.openai()
+    return body, err.status, err.headers
+
+
+app = AtomApp()

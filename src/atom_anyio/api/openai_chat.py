@@ -1,0 +1,150 @@
+"""POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from quart import Blueprint
+
+from atom_anyio.api.common import (
+    Choice,
+    EngineFailed,
+    TokenText,
+    Usage,
+    collect,
+    new_id,
+    now,
+    parse_body,
+    raise_on_error,
+    sse,
+    sse_response,
+)
+from atom_anyio.api.errors import APIError
+from atom_anyio.api.openai_schemas import ChatCompletionRequest
+from atom_anyio.api.server import Server
+from atom_anyio.engine.sequence import Delta, Logprob
+from atom_anyio.prompt.prepare import PromptRequest
+
+
+def chat_blueprint(server: Server) -> Blueprint:
+    bp = Blueprint("openai_chat", __name__)
+
+    @bp.post("/v1/chat/completions")
+    async def chat_completions() -> Any:
+        req = await parse_body(ChatCompletionRequest)
+        server.check_model(req.model)
+        prompt = PromptRequest(
+            messages=req.flat_messages(),
+            tools=[t.model_dump(exclude_none=True) for t in req.tools]
+            if req.tools and req.tool_choice != "none"
+            else None,
+            chat_template_kwargs=req.chat_template_kwargs,
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            max_tokens=req.requested_max_tokens,
+            truncate_prompt_tokens=req.truncate_prompt_tokens,
+        )
+        encoder = ChatEncoder(server, req)
+        admission = server.admit()
+        try:
+            prepared = await server.prepare(prompt)
+            params = req.sampling_params(prepared.max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+            stream = server.submit(prepared, params)
+        except BaseException:
+            admission.release()
+            raise
+        if req.stream:
+            events = encoder.stream(stream)
+            return sse_response(server.stream_events("chat", events, encoder.usage, admission, openai_error_event))
+        return await server.json_response("chat", encoder.response(stream), encoder.usage, admission)
+
+    return bp
+
+
+class ChatEncoder:
+    """Engine deltas -> chat.completion / chat.completion.chunk objects."""
+
+    def __init__(self, server: Server, req: ChatCompletionRequest):
+        self.req = req
+        self.id = new_id("chatcmpl-")
+        self.created = now()
+        self.model = server.model_name
+        self.token_text = TokenText(server.loaded.tokenizer)
+        self.usage = Usage()
+
+    def logprobs(self, lps: list[Logprob]) -> dict[str, Any]:
+        content = []
+        for lp in lps:
+            text, raw = self.token_text(lp.token_id)
+            top = []
+            for tid, val in lp.top:
+                t, b = self.token_text(tid)
+                top.append({"token": t, "logprob": val, "bytes": b})
+            content.append({"token": text, "logprob": lp.logprob, "bytes": raw, "top_logprobs": top})
+        return {"content": content}
+
+    async def response(self, stream) -> dict[str, Any]:
+        choices = await collect(stream, self.req.n, self.usage)
+        return {
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [self._choice(c) for c in choices],
+            "usage": self.usage.openai(),
+        }
+
+    def _choice(self, c: Choice) -> dict[str, Any]:
+        return {
+            "index": c.index,
+            "message": {"role": "assistant", "content": c.text},
+            "logprobs": self.logprobs(c.logprobs) if self.req.logprobs else None,
+            "finish_reason": openai_finish_reason(c.finish_reason),
+            "stop_reason": c.stop_reason,
+        }
+
+    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
+        out = {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if self.req.wants_usage_chunk:
+            out["usage"] = usage
+        return out
+
+    async def stream(self, stream) -> AsyncIterator[str]:
+        started: set[int] = set()
+        async with stream:
+            async for d in stream:
+                raise_on_error(d)
+                self.usage.add(d)
+                if d.index not in started:
+                    started.add(d.index)
+                    yield sse(self.chunk([self._delta_choice(d.index, {"role": "assistant", "content": ""})]))
+                if d.text or d.logprobs and self.req.logprobs:
+                    yield sse(self.chunk([self._delta_choice(d.index, {"content": d.text}, d)]))
+                if d.finish_reason is not None:
+                    yield sse(self.chunk([self._delta_choice(d.index, {}, None, d.finish_reason)]))
+        if len(started) < self.req.n:
+            raise EngineFailed("the engine stopped before the request finished")
+        if self.req.wants_usage_chunk:
+            yield sse(self.chunk([], self.usage.openai()))
+        yield sse("[DONE]")
+
+    def _delta_choice(self, index: int, delta: dict, d: Delta | None = None, finish: str | None = None) -> dict:
+        lp = self.logprobs(d.logprobs) if d is not None and d.logprobs and self.req.logprobs else None
+        return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": openai_finish_reason(finish)}
+
+
+def openai_error_event(err: APIError) -> str:
+    return sse(err.openai())
+
+
+def openai_finish_reason(reason: str | None) -> str | None:
+    if reason in (None, "stop", "length"):
+        return reason
+    raise APIError(500, f"unexpected finish reason {reason!r}")

@@ -1,0 +1,254 @@
+"""OpenAI request bodies (chat completions, completions), validated with pydantic."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from atom_anyio.api.errors import APIError
+from atom_anyio.sampling_params import SamplingParams
+
+MAX_STOP_SEQUENCES = 16
+MAX_N = 128
+
+
+class Lenient(BaseModel):
+    """Unknown fields are ignored, as the official API's clients send many."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(Lenient):
+    include_usage: bool = False
+
+
+class FunctionDef(Lenient):
+    name: str = Field(min_length=1, max_length=128)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(Lenient):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class SamplingFields(Lenient):
+    """The sampling fields chat completions and completions share."""
+
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=10)
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    user: str | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None) -> list[str]:
+        stops = [v] if isinstance(v, str) else list(v or [])
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must not be empty")
+        return stops
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for k, b in (v or {}).items():
+            if not k.lstrip("-").isdigit():
+                raise ValueError(f"keys must be token ids, got {k!r}")
+            if not -100 <= b <= 100:
+                raise ValueError(f"bias for token {k} must be between -100 and 100")
+        return v
+
+    @property
+    def wants_usage_chunk(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(self, max_tokens: int, num_logprobs: int | None) -> SamplingParams:
+        return SamplingParams(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0,
+            seed=self.seed,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=self.repetition_penalty or 1.0,
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+            logprobs=num_logprobs,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=self.stop,  # validated into a list
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+
+class ChatMessage(Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v and v.get("type", "text") != "text":
+            raise ValueError(f"response_format type {v.get('type')!r} is not supported yet (only 'text')")
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, v: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+        if isinstance(v, str) and v not in ("none", "auto", "required"):
+            raise ValueError("must be none, auto, required or a named function")
+        return v
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def flat_messages(self) -> list[dict[str, Any]]:
+        """Messages with content flattened to text; other parts are refused."""
+        out = []
+        for i, m in enumerate(self.messages):
+            msg = m.model_dump(exclude_none=True)
+            if isinstance(m.content, list):
+                msg["content"] = _text_of_parts(m.content, f"messages.{i}.content")
+            if msg.get("tool_calls"):
+                msg["tool_calls"] = [_parse_arguments(c) for c in msg["tool_calls"]]
+            out.append(msg)
+        return out
+
+
+def _text_of_parts(parts: list[dict[str, Any]], where: str) -> str:
+    texts = []
+    for j, part in enumerate(parts):
+        kind = part.get("type")
+        if kind in ("text", "input_text"):
+            if not isinstance(part.get("text"), str):
+                raise APIError(
+                    400, f"'{where}.{j}.text' must be a string", param=f"{where}.{j}.text", code="invalid_value"
+                )
+            texts.append(part["text"])
+        elif kind in ("image_url", "input_image", "input_audio", "file", "video_url"):
+            raise APIError(
+                400,
+                f"'{where}.{j}' is a {kind} part; this model is text-only and accepts only text parts",
+                param=f"{where}.{j}.type",
+                code="unsupported_content",
+            )
+        else:
+            raise APIError(
+                400,
+                f"'{where}.{j}.type' {kind!r} is not a known content part type",
+                param=f"{where}.{j}.type",
+                code="invalid_value",
+            )
+    return "\n".join(texts)
+
+
+def _parse_arguments(call: dict[str, Any]) -> dict[str, Any]:
+    """Templates expect tool-call arguments as a mapping; OpenAI sends a JSON string."""
+    import json
+
+    fn = dict(call.get("function") or {})
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        try:
+            fn["arguments"] = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError:
+            pass  # leave it as the client sent it
+    return {**call, "function": fn}
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=20)
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v: str | list) -> str | list:
+        if isinstance(v, list) and (not v or any(isinstance(x, list) and not x for x in v)):
+            raise ValueError("must not be empty")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _suffix(cls, v: str | None) -> str | None:
+        if v:
+            raise ValueError("suffix is not supported by this server (no fill-in-the-middle support)")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and v != info.data.get("n", 1):
+            raise ValueError("best_of is not supported; use n")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and info.data.get("echo"):
+            raise ValueError("echo together with logprobs (prompt logprobs) is not supported")
+        return v
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
