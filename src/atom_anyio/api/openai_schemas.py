@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
@@ -197,15 +199,11 @@ def _text_of_parts(parts: list[dict[str, Any]], where: str) -> str:
 
 def _parse_arguments(call: dict[str, Any]) -> dict[str, Any]:
     """Templates expect tool-call arguments as a mapping; OpenAI sends a JSON string."""
-    import json
-
     fn = dict(call.get("function") or {})
     args = fn.get("arguments")
     if isinstance(args, str):
-        try:
+        with contextlib.suppress(json.JSONDecodeError):  # else leave it as the client sent it
             fn["arguments"] = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError:
-            pass  # leave it as the client sent it
     return {**call, "function": fn}
 
 

@@ -10,6 +10,7 @@ goes back to the head of the queue; its prefix is usually still cached).
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -101,9 +102,7 @@ class Scheduler:
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
         elif seq.status is Status.WAITING:
-            try:
+            with contextlib.suppress(ValueError):  # a sibling not yet released to the queue
                 self.waiting.remove(seq)
-            except ValueError:
-                pass  # a sibling not yet released to the queue
         self.bm.free_seq(seq)
         seq.status = Status.FINISHED
