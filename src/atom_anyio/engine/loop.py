@@ -157,9 +157,11 @@ class Engine:
                 task_status.started()
                 await self._serve(step_tx, result_rx)
         except BaseException as exc:
-            if not isinstance(exc, anyio.get_cancelled_exc_class()):
+            if not isinstance(exc, anyio.get_cancelled_exc_class()) and self.error is None:
                 self.error = f"engine loop crashed: {type(exc).__name__}: {exc}"
                 log.exception("engine.crashed")
+            elif self.error is not None:
+                log.error("engine.unhealthy", error=self.error)
             raise
         finally:
             self.is_running = False

@@ -67,7 +67,7 @@ class Worker:
         self.block_size = block_size
         self.sampler = Sampler()
         self.limiter = anyio.CapacityLimiter(1)
-        self.failpoint: Exception | None = None  # tests set it to make the next step fail
+        self.failpoint: Exception | None = None  # off unless a test sets it: every step raises it
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
@@ -75,8 +75,7 @@ class Worker:
             torch.cuda.set_device(self.device)
         t0 = time.perf_counter()
         if self.failpoint is not None:
-            err, self.failpoint = self.failpoint, None
-            raise err
+            raise self.failpoint
         dev = self.device
         meta = AttentionMetadata.build(step.block_tables, step.context_lens, step.query_lens, self.block_size, dev)
         input_ids = torch.tensor(step.input_ids, dtype=torch.long).to(dev, non_blocking=True)

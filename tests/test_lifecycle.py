@@ -1,0 +1,163 @@
+"""Lifetime: step failures, an engine crash, drain on shutdown, the CLI's exit code."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import socket
+
+import anyio
+import httpx
+import pytest
+
+from atom_anyio.api.app import AtomApp
+from atom_anyio.cli import serve
+from atom_anyio.config import Config
+from atom_anyio.engine.config import EngineConfig
+from atom_anyio.engine.loop import Engine
+from atom_anyio.sampling_params import SamplingParams
+
+CHAT = {"messages": [{"role": "user", "content": "Tell me a story."}], "temperature": 0}
+
+
+async def wait_until(predicate, timeout: float = 30) -> None:
+    """Poll a condition at every scheduling point (bounded), not with fixed sleeps."""
+    with anyio.fail_after(timeout):
+        while not predicate():
+            await anyio.sleep(0.005)
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request):
+    return request.param
+
+
+@pytest.mark.anyio
+async def test_failed_step_ends_its_batch_with_an_error_and_the_next_request_succeeds(tiny_model):
+    engine = Engine(tiny_model, EngineConfig(kv_cache_gib=0.05))
+    free = engine.block_manager.num_free_blocks
+    ids = tiny_model.tokenizer("a failing prompt")["input_ids"]
+    async with anyio.create_task_group() as tg:
+        await tg.start(engine.run)
+        engine.worker.failpoint = RuntimeError("injected kernel error")
+        async with engine.submit(ids, SamplingParams(max_tokens=4)) as stream:
+            deltas = [d async for d in stream]
+        assert deltas[-1].finish_reason == "error" and "injected kernel error" in deltas[-1].error
+        engine.worker.failpoint = None
+        async with engine.submit(ids, SamplingParams(max_tokens=4, ignore_eos=True)) as stream:
+            deltas = [d async for d in stream]
+        assert deltas[-1].finish_reason == "length" and sum(len(d.token_ids) for d in deltas) == 4
+        assert engine.is_running and engine.block_manager.num_free_blocks == free
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_repeated_step_failures_mark_the_server_unhealthy(tiny_model):
+    atom = AtomApp(Config(kv_cache_gib=0.05), loaded=tiny_model)
+    async with atom.server.serving():
+        client = atom.quart.test_client()
+        assert (await client.get("/health")).status_code == 200
+        atom.server.engine.worker.failpoint = RuntimeError("injected step failure")
+        for _ in range(atom.server.engine.cfg.max_consecutive_step_failures):
+            r = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 4})
+            assert r.status_code in (500, 503)
+            body = await r.get_json()
+            assert set(body["error"]) == {"message", "type", "param", "code"}
+        await wait_until(lambda: not atom.server.engine.is_running)
+        health = await client.get("/health")
+        assert health.status_code == 503 and "consecutive" in (await health.get_json())["error"]
+        r = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 4})
+        assert r.status_code == 503 and (await r.get_json())["error"]["code"] == "engine_dead"
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_an_engine_crash_ends_in_flight_streams_with_an_error_event(tiny_model):
+    atom = AtomApp(Config(kv_cache_gib=0.05), loaded=tiny_model)
+    async with atom.server.serving():
+        engine = atom.server.engine
+        client = atom.quart.test_client()
+        result: dict = {}
+
+        async def stream_request() -> None:
+            r = await client.post(
+                "/v1/chat/completions", json={**CHAT, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+            )
+            result["status"], result["body"] = r.status_code, await r.get_data(as_text=True)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(stream_request)
+            await wait_until(lambda: engine.scheduler.running and engine.scheduler.running[0].num_output_tokens > 2)
+            engine.cfg = dataclasses.replace(engine.cfg, max_consecutive_step_failures=1)
+            engine.worker.failpoint = RuntimeError("device lost")
+        assert result["status"] == 200
+        events = [e[len("data: ") :] for e in result["body"].split("\n\n") if e]
+        assert "[DONE]" not in events
+        last = json.loads(events[-1])
+        assert "device lost" in last["error"]["message"] and last["error"]["type"] == "server_error"
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_shutdown_stops_admitting_and_drains_in_flight_requests(tiny_model):
+    atom = AtomApp(Config(kv_cache_gib=0.05, drain_timeout_s=60), loaded=tiny_model)
+    client = atom.quart.test_client()
+    stop = anyio.Event()
+    results: dict = {}
+
+    async def run_server(*, task_status) -> None:
+        async with atom.server.serving():
+            task_status.started()
+            await stop.wait()
+
+    async def long_request() -> None:
+        r = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 40, "ignore_eos": True})
+        results["long"] = (r.status_code, await r.get_json())
+
+    async with anyio.create_task_group() as tg:
+        await tg.start(run_server)
+        tg.start_soon(long_request)
+        engine = atom.server.engine
+        await wait_until(lambda: engine.scheduler.running and engine.scheduler.running[0].num_output_tokens > 0)
+        stop.set()
+        await wait_until(lambda: not atom.server.is_admitting)
+        refused = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2})
+        assert refused.status_code == 503 and refused.headers["Retry-After"]
+        assert (await refused.get_json())["error"]["code"] == "shutting_down"
+    status, body = results["long"]
+    assert status == 200
+    assert body["choices"][0]["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 40
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_serve_exits_non_zero_when_the_engine_crashes(tiny_model):
+    port = free_port()
+    atom = AtomApp(Config(kv_cache_gib=0.05, port=port), loaded=tiny_model)
+    code: list[int] = []
+
+    async def run() -> None:
+        code.append(await serve(atom))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
+            with anyio.fail_after(60):
+                while True:
+                    try:
+                        if (await http.get("/health")).status_code == 200:
+                            break
+                    except httpx.TransportError:
+                        await anyio.sleep(0.05)
+            atom.server.engine.worker.failpoint = RuntimeError("injected")
+            for _ in range(atom.server.engine.cfg.max_consecutive_step_failures):
+                await http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2})
+    assert code == [1]
