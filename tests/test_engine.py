@@ -14,6 +14,7 @@ from atom_anyio import LLM, SamplingParams
 from atom_anyio.engine.config import EngineConfig
 from atom_anyio.engine.loop import Engine, EngineError
 from atom_anyio.engine.sequence import Sequence
+from atom_anyio.prompt.prepare import PromptError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -206,7 +207,7 @@ def test_logprobs_are_returned_per_token(tiny_llm, prompts16):
 
 def test_impossible_prompt_is_refused_at_submit(tiny_model):
     llm = LLM(tiny_model, max_model_len=64)
-    with pytest.raises(EngineError, match="maximum context length is 64"):
+    with pytest.raises(PromptError, match="maximum context length is 64"):
         llm.generate([list(range(100))], SamplingParams(max_tokens=4), use_tqdm=False)
     small_pool = LLM(tiny_model, num_kv_blocks=2, max_model_len=1024)
     with pytest.raises(EngineError, match="KV cache"):
@@ -245,3 +246,13 @@ async def test_abort_frees_every_block_and_no_sequence_survives(tiny_model, prom
     gc.collect()
     assert all(r() is None for r in refs)
     assert not [o for o in gc.get_objects() if isinstance(o, Sequence)]
+
+
+def test_generate_cli_prints_the_completion(tiny_model_dir, capsys):
+    from atom_anyio.cli import main
+
+    assert main(["generate", "--model", str(tiny_model_dir), "--prompt", "hello", "--max-tokens", "4", "--chat"]) == 0
+    llm_text = LLM(str(tiny_model_dir)).chat(
+        [{"role": "user", "content": "hello"}], SamplingParams(temperature=0, max_tokens=4)
+    )
+    assert capsys.readouterr().out == llm_text[0].outputs[0].text + "\n"

@@ -6,6 +6,7 @@ Each call runs the same async engine loop the server runs, inside
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +17,8 @@ from atom_anyio.engine.config import EngineConfig
 from atom_anyio.engine.loop import Engine
 from atom_anyio.engine.sequence import Logprob
 from atom_anyio.models.loader import LoadedModel, load_model
+from atom_anyio.prompt.prepare import PrepareContext, PromptRequest, prepare_prompt
+from atom_anyio.prompt.segment_cache import SegmentCache
 from atom_anyio.sampling_params import SamplingParams
 
 
@@ -54,6 +57,13 @@ class LLM:
         self.loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype, device=device)
         self.engine = Engine(self.loaded, EngineConfig(**engine_kwargs))
         self.tokenizer = self.loaded.tokenizer
+        self.prepare_ctx = PrepareContext(
+            tokenizer=self.tokenizer,
+            segment_cache=SegmentCache(self.tokenizer),
+            max_model_len=self.engine.max_model_len,
+            block_size=self.engine.cfg.block_size,
+            chat_template=self.loaded.chat_template,
+        )
 
     def generate(
         self,
@@ -64,15 +74,15 @@ class LLM:
         """Complete text prompts, token-id lists or ``{"prompt_token_ids": [...]}``."""
         if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        items = []
+        requests = []
         for p in prompts:
             if isinstance(p, str):
-                items.append((p, self.tokenizer(p)["input_ids"]))
+                requests.append(PromptRequest(prompt=p))
             elif isinstance(p, dict):
-                items.append((p.get("prompt"), list(p["prompt_token_ids"])))
+                requests.append(PromptRequest(prompt_token_ids=list(p["prompt_token_ids"])))
             else:
-                items.append((None, list(p)))
-        return self._run(items, params, use_tqdm)
+                requests.append(PromptRequest(prompt_token_ids=list(p)))
+        return self._run(requests, params, use_tqdm)
 
     def chat(
         self,
@@ -81,25 +91,34 @@ class LLM:
         use_tqdm: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Reply to one conversation or a list of them, through the chat template."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        items = []
-        for conv in conversations:
-            text = self.tokenizer.apply_chat_template(
-                conv, tokenize=False, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {})
+        requests = [
+            PromptRequest(
+                messages=list(conv),
+                tools=tools,
+                chat_template_kwargs=chat_template_kwargs,
+                add_generation_prompt=add_generation_prompt,
             )
-            items.append((text, self.tokenizer(text, add_special_tokens=False)["input_ids"]))
-        return self._run(items, params, use_tqdm)
+            for conv in conversations
+        ]
+        return self._run(requests, params, use_tqdm)
 
-    def _run(self, items, params, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, requests: list[PromptRequest], params, use_tqdm: bool) -> list[RequestOutput]:
+        """Prepare every prompt the way the server does (render, segment cache,
+        hashes, context rules), then run them all through the engine loop."""
         params = params or SamplingParams()
-        per_item = list(params) if isinstance(params, Seq) else [params] * len(items)
-        if len(per_item) != len(items):
+        per_item = list(params) if isinstance(params, Seq) else [params] * len(requests)
+        if len(per_item) != len(requests):
             raise ValueError("give one SamplingParams, or one per prompt")
-        for (_, ids), sp in zip(items, per_item, strict=True):
-            self.engine.check(len(ids), sp)
+        items = []
+        for req, sp in zip(requests, per_item, strict=True):
+            prepared = prepare_prompt(dataclasses.replace(req, max_tokens=sp.max_tokens), self.prepare_ctx)
+            self.engine.check(prepared.num_prompt_tokens, sp)
+            items.append((prepared.text, prepared))
         return anyio.run(self._generate_all, items, per_item, use_tqdm)
 
     async def _generate_all(self, items, per_item, use_tqdm: bool) -> list[RequestOutput]:
@@ -110,9 +129,9 @@ class LLM:
         async with anyio.create_task_group() as tg:
             await tg.start(self.engine.run)
             async with anyio.create_task_group() as requests:
-                for i, ((text, ids), sp) in enumerate(zip(items, per_item, strict=True)):
-                    stream = self.engine.submit(ids, sp)
-                    requests.start_soon(self._collect, i, text, ids, sp, stream, results, bar)
+                for i, ((text, prepared), sp) in enumerate(zip(items, per_item, strict=True)):
+                    stream = self.engine.submit(prepared.token_ids, sp, block_hashes=prepared.block_hashes)
+                    requests.start_soon(self._collect, i, text, prepared.token_ids, sp, stream, results, bar)
             tg.cancel_scope.cancel()
         bar.close()
         return results  # type: ignore[return-value]

@@ -21,6 +21,7 @@ from atom_anyio.api.openai_completions import completions_blueprint
 from atom_anyio.api.server import Server
 from atom_anyio.config import Config
 from atom_anyio.models.loader import LoadedModel
+from atom_anyio.obs.logging import configure_logging
 
 log = structlog.get_logger("atom_anyio.app")
 
@@ -39,7 +40,11 @@ class AtomApp:
     @property
     def server(self) -> Server:
         if self._server is None:
-            self._server = Server(self._config or Config.from_env(), self._loaded)
+            config = self._config
+            if config is None:  # built from ATOM_* (``hypercorn atom_anyio:app``): its logging settings too
+                config = Config.from_env()
+                configure_logging(config.log_format, config.log_level)
+            self._server = Server(config, self._loaded)
         return self._server
 
     @property
