@@ -8,6 +8,7 @@ loads nothing heavy: the model is loaded when the lifespan starts.
 from __future__ import annotations
 
 import hmac
+import uuid
 from typing import Any
 
 import structlog
@@ -86,6 +87,19 @@ def build_quart(server: Server) -> Quart:
     app.register_blueprint(chat_blueprint(server))
     app.register_blueprint(completions_blueprint(server))
     app.register_blueprint(misc_blueprint(server))
+
+    @app.before_request
+    async def bind_request_id() -> None:
+        structlog.contextvars.clear_contextvars()
+        rid = request.headers.get("x-request-id", "")[:128] or uuid.uuid4().hex
+        structlog.contextvars.bind_contextvars(request_id=rid, method=request.method, path=request.path)
+
+    @app.after_request
+    async def return_request_id(response: Any) -> Any:
+        rid = structlog.contextvars.get_contextvars().get("request_id")
+        if rid:
+            response.headers["x-request-id"] = rid
+        return response
 
     @app.before_request
     async def authenticate() -> None:

@@ -3,6 +3,7 @@ admission and the lifetime that owns them."""
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager
@@ -21,11 +22,17 @@ from atom_anyio.engine.loop import Engine, EngineDeadError, EngineError
 from atom_anyio.engine.sequence import Delta
 from atom_anyio.models.loader import LoadedModel, load_model
 from atom_anyio.obs.metrics import Metrics
+from atom_anyio.obs.runtime import GCTimer, freeze_heap, monitor_loop_lag
 from atom_anyio.prompt.prepare import PrepareContext, PreparedPrompt, PromptError, PromptRequest, prepare_prompt
 from atom_anyio.prompt.segment_cache import SegmentCache
 from atom_anyio.sampling_params import SamplingParams
 
 log = structlog.get_logger("atom_anyio.server")
+
+
+def request_id() -> str | None:
+    """The current request's id (bound by the app for each request)."""
+    return structlog.contextvars.get_contextvars().get("request_id")
 
 
 class Admission:
@@ -83,8 +90,13 @@ class Server:
         self.metrics.bind_engine(self.engine)
         self._idle = anyio.Event()
         self.engine_crashed = anyio.Event()
+        gc_timer = GCTimer(self.metrics.gc_pause)
         async with anyio.create_task_group() as tg:
             await tg.start(self._run_engine)
+            await self._warm_up()
+            freeze_heap()
+            gc_timer.install()
+            tg.start_soon(monitor_loop_lag, self.metrics.loop_lag)
             self.is_admitting = True
             try:
                 yield self
@@ -93,7 +105,17 @@ class Server:
                 with anyio.move_on_after(cfg.drain_timeout_s, shield=True):
                     while self.num_in_flight:
                         await self._idle.wait()
+                gc_timer.remove()
+                gc.unfreeze()
                 tg.cancel_scope.cancel()
+
+    async def _warm_up(self) -> None:
+        """One tiny generation, so the first client does not pay for lazy initialisation."""
+        assert self.engine is not None
+        ids = self.loaded.tokenizer("warm up", add_special_tokens=False)["input_ids"] or [0]
+        async with self.engine.submit(ids, SamplingParams(max_tokens=1)) as stream:
+            async for _ in stream:
+                pass
 
     def _build_prepare_context(self) -> PrepareContext:
         assert self.loaded is not None and self.engine is not None
@@ -176,7 +198,7 @@ class Server:
             self.finished(endpoint, outcome, usage)
 
     def finished(self, endpoint: str, outcome: str, usage: Usage) -> None:
-        self.metrics.observe_finished(endpoint, outcome, usage.prompt_tokens, usage.completion_tokens, usage.timings)
+        self.metrics.observe_finished(endpoint, outcome, usage, request_id())
         log.info(
             "request.finished",
             endpoint=endpoint,
@@ -194,11 +216,19 @@ class Server:
         """The request's one worker-thread hop: render, tokenize, hash, cut."""
         t = time.perf_counter()
         try:
-            return await anyio.to_thread.run_sync(self._prepare_all, requests, limiter=self.prepare_limiter)
+            prepared = await anyio.to_thread.run_sync(self._prepare_all, requests, limiter=self.prepare_limiter)
         except PromptError as exc:
             raise APIError(400, exc.message, param=exc.param, code=exc.code) from None
         finally:
-            self.metrics.prepare_seconds.observe(time.perf_counter() - t)
+            elapsed = time.perf_counter() - t
+            self.metrics.prepare_seconds.observe(elapsed)
+            structlog.contextvars.bind_contextvars(prepare_s=round(elapsed, 6))
+        self.metrics.request_started(
+            request_id(),
+            sum(p.num_prompt_tokens for p in prepared),
+            sum(p.num_segment_cache_hit_tokens for p in prepared),
+        )
+        return prepared
 
     def _prepare_all(self, requests: list[PromptRequest]) -> list[PreparedPrompt]:
         return [prepare_prompt(r, self.prepare_ctx) for r in requests]

@@ -1,11 +1,17 @@
 """Prometheus metrics. A fixed set of series: nothing is labelled per
-request, so rendering ``/metrics`` costs the same after a million requests."""
+request (unless ``ATOM_METRICS_PER_REQUEST=1``, whose series are removed when
+their request ends), so rendering ``/metrics`` costs the same after a million
+requests as after ten. Engine state is read when scraped, never pushed per step."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from atom_anyio.engine.loop import Engine
@@ -13,48 +19,82 @@ if TYPE_CHECKING:
 disable_created_metrics()  # no *_created series: a fixed set of lines per metric
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5, 5)
+LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+GC_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
+TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+
+
+class EngineCollector(Collector):
+    """Gauges and counters the engine already keeps, read at scrape time."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        sched, bm = self.engine.scheduler, self.engine.block_manager
+        yield GaugeMetricFamily("atom_requests_running", "Sequences running", value=len(sched.running))
+        yield GaugeMetricFamily("atom_requests_waiting", "Sequences waiting", value=len(sched.waiting))
+        yield GaugeMetricFamily("atom_kv_cache_usage_ratio", "Fraction of KV blocks in use", value=bm.usage)
+        yield GaugeMetricFamily("atom_kv_cache_blocks_free", "Free KV blocks (cached ones included)", value=bm.num_free_blocks)
+        yield CounterMetricFamily(
+            "atom_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", value=bm.num_hit_tokens
+        )
+        yield CounterMetricFamily("atom_preemptions", "Sequences preempted (recompute)", value=sched.num_preemptions)
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, per_request: bool | None = None) -> None:
         r = self.registry = CollectorRegistry()
-        self.requests = Counter(
-            "atom_requests", "Requests by endpoint and outcome", ["endpoint", "outcome"], registry=r
-        )
+        self.requests = Counter("atom_requests", "Requests by endpoint and outcome", ["endpoint", "outcome"], registry=r)
         self.prompt_tokens = Counter("atom_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("atom_generation_tokens", "Generated tokens", registry=r)
-        self.prepare_seconds = Histogram(
-            "atom_prepare_prompt_seconds", "Time in prepare_prompt", buckets=LATENCY_BUCKETS, registry=r
+        self.segment_cache_hits = Counter(
+            "atom_segment_cache_hit_tokens", "Prompt tokens taken from the segment cache", registry=r
         )
-        self.ttft = Histogram("atom_time_to_first_token_seconds", "TTFT", buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("atom_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("atom_inter_token_latency_seconds", "Time between deltas", buckets=ITL_BUCKETS, registry=r)
         self.e2e = Histogram("atom_e2e_request_latency_seconds", "End to end", buckets=LATENCY_BUCKETS, registry=r)
-        self.running = Gauge("atom_requests_running", "Sequences running", registry=r)
-        self.waiting = Gauge("atom_requests_waiting", "Sequences waiting", registry=r)
-        self.kv_usage = Gauge("atom_kv_cache_usage_ratio", "Fraction of KV blocks in use", registry=r)
-        self.kv_free = Gauge("atom_kv_cache_blocks_free", "Free KV blocks", registry=r)
-        self.prefix_hits = Gauge(
-            "atom_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", registry=r
+        self.queue_time = Histogram("atom_request_queue_time_seconds", "Waiting for a first step", buckets=LATENCY_BUCKETS, registry=r)
+        self.prepare_seconds = Histogram("atom_prepare_prompt_seconds", "Time in prepare_prompt", buckets=LATENCY_BUCKETS, registry=r)
+        self.request_prompt_tokens = Histogram("atom_request_prompt_tokens", "Prompt length", buckets=TOKEN_BUCKETS, registry=r)
+        self.request_generation_tokens = Histogram(
+            "atom_request_generation_tokens", "Generated tokens per request", buckets=TOKEN_BUCKETS, registry=r
+        )
+        self.loop_lag = Histogram("atom_event_loop_lag_seconds", "Event-loop scheduling delay", buckets=LAG_BUCKETS, registry=r)
+        self.gc_pause = Histogram("atom_gc_pause_seconds", "GC pauses", ["generation"], buckets=GC_BUCKETS, registry=r)
+        if per_request is None:
+            per_request = os.environ.get("ATOM_METRICS_PER_REQUEST", "") in ("1", "true", "yes")
+        self.context_tokens = (
+            Gauge("atom_request_context_tokens", "Context tokens of a running request", ["request_id"], registry=r)
+            if per_request
+            else None
         )
 
     def bind_engine(self, engine: Engine) -> None:
-        """Gauges read the engine when scraped; nothing is pushed per step."""
-        sched, bm = engine.scheduler, engine.block_manager
-        self.running.set_function(lambda: len(sched.running))
-        self.waiting.set_function(lambda: len(sched.waiting))
-        self.kv_usage.set_function(lambda: bm.usage)
-        self.kv_free.set_function(lambda: bm.num_free_blocks)
-        self.prefix_hits.set_function(lambda: bm.num_hit_tokens)
+        self.registry.register(EngineCollector(engine))
 
-    def observe_finished(
-        self, endpoint: str, outcome: str, prompt_tokens: int, output_tokens: int, timings: dict
-    ) -> None:
+    def request_started(self, request_id: str | None, prompt_tokens: int, segment_hits: int) -> None:
+        self.segment_cache_hits.inc(segment_hits)
+        if self.context_tokens is not None and request_id:
+            self.context_tokens.labels(request_id).set(prompt_tokens)
+
+    def observe_finished(self, endpoint: str, outcome: str, usage, request_id: str | None = None) -> None:
         self.requests.labels(endpoint, outcome).inc()
-        self.prompt_tokens.inc(prompt_tokens)
-        self.generation_tokens.inc(output_tokens)
-        if "ttft" in timings:
-            self.ttft.observe(timings["ttft"])
-        if "e2e" in timings:
-            self.e2e.observe(timings["e2e"])
+        self.prompt_tokens.inc(usage.prompt_tokens)
+        self.generation_tokens.inc(usage.completion_tokens)
+        self.request_prompt_tokens.observe(usage.prompt_tokens)
+        self.request_generation_tokens.observe(usage.completion_tokens)
+        for name, hist in (("ttft", self.ttft), ("e2e", self.e2e), ("queue_time", self.queue_time)):
+            if name in usage.timings:
+                hist.observe(usage.timings[name])
+        for gap in usage.inter_token_gaps:
+            self.itl.observe(gap)
+        if self.context_tokens is not None and request_id:
+            try:
+                self.context_tokens.remove(request_id)
+            except KeyError:
+                pass  # never started (refused before prepare)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
