@@ -5,6 +5,7 @@ requests as after ten. Engine state is read when scraped, never pushed per step.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -91,10 +92,8 @@ class Metrics:
         for gap in usage.inter_token_gaps:
             self.itl.observe(gap)
         if self.context_tokens is not None and request_id:
-            try:
+            with contextlib.suppress(KeyError):  # never started (refused before prepare)
                 self.context_tokens.remove(request_id)
-            except KeyError:
-                pass  # never started (refused before prepare)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
