@@ -1,10 +1,12 @@
-"""``atom-anyio``: serve, generate."""
+"""``atom-anyio``: serve, generate, logs."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+
+from atom_anyio.obs import logs_cli
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -40,6 +42,8 @@ SERVE_FLAGS = {
     "chat_template": str,
     "default_chat_template_kwargs": json.loads,
     "context_overflow": str,
+    "reasoning_parser": str,
+    "tool_call_parser": str,
     "log_format": str,
     "log_level": str,
     "max_body_bytes": int,
@@ -61,17 +65,22 @@ def _serve(args: argparse.Namespace) -> int:
 
 async def serve(app) -> int:
     """Run hypercorn until SIGINT/SIGTERM (exit 0) or an engine crash (exit 1)."""
+    import logging
     import signal
 
     import anyio
     from hypercorn.asyncio import serve as hypercorn_serve
     from hypercorn.config import Config as HypercornConfig
 
+    from atom_anyio.obs.logging import ACCESS_LOG_FORMAT, ACCESS_LOGGER
+
     cfg = app.server.config
     hc = HypercornConfig()
     hc.bind = [f"{cfg.host}:{cfg.port}"]
     hc.graceful_timeout = cfg.drain_timeout_s
-    hc.accesslog = None
+    hc.accesslog = logging.getLogger(ACCESS_LOGGER)  # loggers, not "-": through the root handler's JSON
+    hc.errorlog = logging.getLogger("hypercorn.error")
+    hc.access_log_format = ACCESS_LOG_FORMAT
     crashed = False
 
     async def shutdown_trigger() -> None:
@@ -114,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, kind in SERVE_FLAGS.items():
         srv.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None)
     srv.set_defaults(func=_serve)
+
+    logs_cli.add_parser(sub)
     return ap
 
 

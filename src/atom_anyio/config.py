@@ -10,6 +10,7 @@ from functools import cached_property
 from typing import Any
 
 from atom_anyio.engine.config import EngineConfig
+from atom_anyio.parse import ParserSpec
 
 
 @dataclass(frozen=True)
@@ -29,18 +30,23 @@ class Config:
     chat_template: str | None = None  # a file path or the template itself
     default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     context_overflow: str = "error"  # or "drop_oldest"
+    reasoning_parser: str = "auto"  # auto (from the chat template), none, or a name in parse.reasoning
+    tool_call_parser: str = "auto"  # auto (from the chat template), none, hermes, qwen3_coder, llama3_json, mistral
     log_format: str = "auto"  # json, console, auto (console on a TTY)
     log_level: str = "info"
     max_body_bytes: int = 32 * 2**20
     drain_timeout_s: float = 30.0
     segment_cache_tokens: int = 4_000_000
     prepare_threads: int = 4
+    responses_store_max_items: int = 1000  # stored Responses, least recently used out first
+    responses_store_ttl_s: float = 3600.0  # a stored Response expires this long after its last use
 
     def __post_init__(self) -> None:
         if self.context_overflow not in ("error", "drop_oldest"):
             raise ValueError("context_overflow must be 'error' or 'drop_oldest'")
         if self.log_format not in ("json", "console", "auto"):
             raise ValueError("log_format must be json, console or auto")
+        ParserSpec.detect(None, reasoning_parser=self.reasoning_parser, tool_call_parser=self.tool_call_parser)
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> Config:

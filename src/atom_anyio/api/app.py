@@ -15,10 +15,12 @@ import structlog
 from quart import Quart, request
 from werkzeug.exceptions import HTTPException
 
+from atom_anyio.api.anthropic import messages_blueprint
 from atom_anyio.api.errors import APIError
 from atom_anyio.api.misc import misc_blueprint
 from atom_anyio.api.openai_chat import chat_blueprint
 from atom_anyio.api.openai_completions import completions_blueprint
+from atom_anyio.api.responses import responses_blueprint
 from atom_anyio.api.server import Server
 from atom_anyio.config import Config
 from atom_anyio.models.loader import LoadedModel
@@ -87,6 +89,8 @@ def build_quart(server: Server) -> Quart:
     app.register_blueprint(chat_blueprint(server))
     app.register_blueprint(completions_blueprint(server))
     app.register_blueprint(misc_blueprint(server))
+    app.register_blueprint(messages_blueprint(server))
+    app.register_blueprint(responses_blueprint(server))
 
     @app.before_request
     async def bind_request_id() -> None:
@@ -138,8 +142,9 @@ def build_quart(server: Server) -> Quart:
 
 
 def error_response(err: APIError) -> Any:
-    body = err.anthropic() if request.path.startswith("/v1/messages") else err.openai()
-    return body, err.status, err.headers
+    if request.path.startswith("/v1/messages"):
+        return err.anthropic(), err.anthropic_status, err.headers
+    return err.openai(), err.status, err.headers
 
 
 app = AtomApp()

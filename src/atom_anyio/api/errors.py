@@ -34,6 +34,7 @@ ANTHROPIC_TYPES = {
     503: "overloaded_error",
     529: "overloaded_error",
 }
+ANTHROPIC_STATUSES = {503: 529}  # Anthropic has no 503: "overloaded" is its 529
 
 
 class APIError(Exception):
@@ -64,6 +65,10 @@ class APIError(Exception):
                 "code": self.code,
             }
         }
+
+    @property
+    def anthropic_status(self) -> int:
+        return ANTHROPIC_STATUSES.get(self.status, self.status)
 
     def anthropic(self) -> dict[str, Any]:
         return {

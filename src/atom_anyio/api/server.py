@@ -23,6 +23,7 @@ from atom_anyio.engine.sequence import Delta
 from atom_anyio.models.loader import LoadedModel, load_model
 from atom_anyio.obs.metrics import Metrics
 from atom_anyio.obs.runtime import GCTimer, freeze_heap, monitor_loop_lag
+from atom_anyio.parse import ParserSpec
 from atom_anyio.prompt.prepare import PrepareContext, PreparedPrompt, PromptError, PromptRequest, prepare_prompt
 from atom_anyio.prompt.segment_cache import SegmentCache
 from atom_anyio.sampling_params import SamplingParams
@@ -58,6 +59,7 @@ class Server:
         self.loaded = loaded
         self.engine: Engine | None = None
         self.prepare_ctx: PrepareContext | None = None
+        self.parser_spec = ParserSpec()  # reasoning and tool-call parsers, from the effective chat template
         self.prepare_limiter = anyio.CapacityLimiter(config.prepare_threads)
         self.metrics = Metrics()
         self.is_admitting = False
@@ -87,6 +89,11 @@ class Server:
             log.info("model.loaded", model=self.loaded.name, dtype=cfg.dtype, device=cfg.device)
         self.engine = Engine(self.loaded, cfg.engine)
         self.prepare_ctx = await anyio.to_thread.run_sync(self._build_prepare_context)
+        self.parser_spec = ParserSpec.detect(
+            self.prepare_ctx.template_sources,
+            reasoning_parser=cfg.reasoning_parser,
+            tool_call_parser=cfg.tool_call_parser,
+        )
         self.metrics.bind_engine(self.engine)
         self._idle = anyio.Event()
         self.engine_crashed = anyio.Event()
@@ -121,7 +128,7 @@ class Server:
         assert self.loaded is not None and self.engine is not None
         tok = self.loaded.tokenizer
         template = self.config.chat_template
-        if template and Path(template).is_file():
+        if template and _is_file(template):
             template = Path(template).read_text()
         return PrepareContext(
             tokenizer=tok,
@@ -182,27 +189,32 @@ class Server:
             yield error_event(exc)
         finally:
             admission.release()
-            self.finished(endpoint, outcome, usage)
+            self.finished(endpoint, outcome, usage, status=200)  # the headers went out before the body
 
     async def json_response(self, endpoint: str, body: Awaitable[dict], usage: Usage, admission: Admission) -> dict:
-        outcome = "cancelled"
+        outcome, status = "cancelled", 499  # client closed the request
         try:
             result = await body
-            outcome = "ok"
+            outcome, status = "ok", 200
             return result
         except EngineFailed as exc:
-            outcome = "error"
+            outcome, status = "error", 500
             raise APIError(500, f"The engine failed while generating: {exc}", code="engine_error") from None
+        except APIError as exc:
+            outcome, status = "error", exc.status
+            raise
         finally:
             admission.release()
-            self.finished(endpoint, outcome, usage)
+            self.finished(endpoint, outcome, usage, status)
 
-    def finished(self, endpoint: str, outcome: str, usage: Usage) -> None:
+    def finished(self, endpoint: str, outcome: str, usage: Usage, status: int) -> None:
         self.metrics.observe_finished(endpoint, outcome, usage, request_id())
         log.info(
             "request.finished",
             endpoint=endpoint,
             outcome=outcome,
+            status=status,
+            finish_reason=usage.finish_reason,
             prompt_tokens=usage.prompt_tokens,
             cached_tokens=usage.cached_tokens,
             generated_tokens=usage.completion_tokens,
@@ -257,3 +269,11 @@ class Server:
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name and model != self.config.model:
             raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+
+def _is_file(path: str) -> bool:
+    """Whether ``chat_template`` names a file; an inline template longer than a file name may be is not one."""
+    try:
+        return Path(path).is_file()
+    except OSError:
+        return False

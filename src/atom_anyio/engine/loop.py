@@ -176,19 +176,23 @@ class Engine:
                 await self._wakeup.wait()
                 self._wakeup = anyio.Event()
                 continue
-            t0 = time.perf_counter()
-            batch = sched.schedule()
-            if not batch.seqs:  # nothing fits right now (cannot happen with a sane pool): yield and retry
-                await anyio.sleep(0)
-                continue
-            step = self._build_step(batch)
-            t1 = time.perf_counter()
-            await step_tx.send(step)
-            result = await result_rx.receive()
-            t2 = time.perf_counter()
-            self._postprocess(batch, step, result)
-            t3 = time.perf_counter()
-            self._account(t1 - t0, result, t3 - t2, batch)
+            await self._step(step_tx, result_rx)
+
+    async def _step(self, step_tx, result_rx) -> None:
+        """One schedule-run-postprocess round. Its locals (the batch and so
+        its sequences) die when it returns, not when the loop next wakes."""
+        t0 = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if not batch.seqs:  # nothing fits right now (cannot happen with a sane pool): yield and retry
+            await anyio.sleep(0)
+            return
+        step = self._build_step(batch)
+        t1 = time.perf_counter()
+        await step_tx.send(step)
+        result = await result_rx.receive()
+        t2 = time.perf_counter()
+        self._postprocess(batch, step, result)
+        self._account(t1 - t0, result, time.perf_counter() - t2, batch)
 
     def _admit_inbox(self) -> None:
         for seq in self._inbox:

@@ -1,0 +1,241 @@
+"""POST /v1/messages and /v1/messages/count_tokens (the Anthropic Messages API)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from anyio.streams.memory import MemoryObjectReceiveStream
+from quart import Blueprint
+
+from atom_anyio.api.anthropic_schemas import MessagesInput, MessagesRequest
+from atom_anyio.api.common import EngineFailed, Usage, new_id, parse_body, raise_on_error, sse, sse_response
+from atom_anyio.api.errors import APIError
+from atom_anyio.api.server import Server
+from atom_anyio.engine.sequence import Delta
+from atom_anyio.parse import OutputParser, ParsedDelta, ToolCallDelta
+from atom_anyio.prompt.prepare import PreparedPrompt, PromptError, tokenize_prompt
+
+Event = dict[str, Any]
+
+
+def messages_blueprint(server: Server) -> Blueprint:
+    bp = Blueprint("anthropic", __name__)
+
+    @bp.post("/v1/messages")
+    async def messages() -> Any:
+        req = await parse_body(MessagesRequest)
+        server.check_model(req.model)
+        admission = server.admit()
+        try:
+            prepared = await server.prepare(req.prompt_request(req.max_tokens))
+            encoder = MessageEncoder(server, req, prepared)
+            keeps_special = req.parses_tools and server.parser_spec.keeps_special_tokens
+            stream = server.submit(prepared, req.sampling_params(prepared.max_tokens, keeps_special))
+        except BaseException:
+            admission.release()
+            raise
+        if req.stream:
+            events = encoder.stream(stream)
+            return sse_response(server.stream_events("messages", events, encoder.usage, admission, error_event))
+        return await server.json_response("messages", encoder.response(stream), encoder.usage, admission)
+
+    @bp.post("/v1/messages/count_tokens")
+    async def count_tokens() -> Any:
+        req = await parse_body(MessagesInput)
+        server.check_model(req.model)
+        return {"input_tokens": await server.run_in_prepare_thread(_count_tokens, server, req)}
+
+    return bp
+
+
+def _count_tokens(server: Server, req: MessagesInput) -> int:
+    """The same render and segment-cache path a message request's prompt takes."""
+    try:
+        return len(tokenize_prompt(req.prompt_request(), server.prepare_ctx))
+    except PromptError as exc:
+        raise APIError(400, exc.message, param=exc.param, code=exc.code) from None
+
+
+def error_event(err: APIError) -> str:
+    return sse(err.anthropic(), event="error")
+
+
+class MessageEncoder:
+    """Engine deltas -> one Anthropic message, whole or as its stream events."""
+
+    def __init__(self, server: Server, req: MessagesRequest, prepared: PreparedPrompt):
+        self.id = new_id("msg_")
+        self.model = server.model_name
+        self.usage = Usage()
+        self.blocks = ContentBlocks(OutputParser(server.parser_spec, prepared.text, parse_tools=req.parses_tools))
+        self.last: Delta | None = None
+
+    async def response(self, stream: MemoryObjectReceiveStream[Delta]) -> dict[str, Any]:
+        async with stream:
+            async for d in stream:
+                self._fold(d)
+        self._check_finished()
+        return self.message(self.blocks.content)
+
+    async def stream(self, stream: MemoryObjectReceiveStream[Delta]) -> AsyncIterator[str]:
+        async with stream:
+            async for d in stream:
+                is_first = self.last is None
+                events = self._fold(d)
+                if is_first:  # the prompt's usage is known once it ran
+                    start = self.message([], is_final=False)
+                    events = [{"type": "message_start", "message": start}, {"type": "ping"}, *events]
+                for event in events:
+                    yield sse(event, event=event["type"])
+        self._check_finished()
+        stop_reason, stop_sequence = self.stop_reason()
+        delta = {"stop_reason": stop_reason, "stop_sequence": stop_sequence}
+        yield sse({"type": "message_delta", "delta": delta, "usage": self.usage_json()}, event="message_delta")
+        yield sse({"type": "message_stop"}, event="message_stop")
+
+    def _fold(self, d: Delta) -> list[Event]:
+        """One delta into usage and the blocks; the events it makes (the last closes every block)."""
+        raise_on_error(d)
+        self.usage.add(d)
+        self.last = d
+        events = self.blocks.feed(d.text)
+        return events + self.blocks.finish() if d.finish_reason is not None else events
+
+    def _check_finished(self) -> None:
+        if self.last is None or self.last.finish_reason is None:
+            raise EngineFailed("the engine stopped before the request finished")
+
+    def stop_reason(self) -> tuple[str | None, str | None]:
+        d = self.last
+        if d is None or d.finish_reason is None:
+            return None, None
+        if d.finish_reason == "length":
+            return "max_tokens", None
+        if self.blocks.has_tool_use:
+            return "tool_use", None
+        if isinstance(d.stop_reason, str):
+            return "stop_sequence", d.stop_reason
+        return "end_turn", None
+
+    def usage_json(self) -> dict[str, int]:
+        """Anthropic counts prompt tokens read from the (prefix) cache apart from ``input_tokens``."""
+        u = self.usage
+        return {
+            "input_tokens": u.prompt_tokens - u.cached_tokens,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": u.cached_tokens,
+            "output_tokens": u.completion_tokens,
+        }
+
+    def message(self, content: list[dict[str, Any]], *, is_final: bool = True) -> dict[str, Any]:
+        stop_reason, stop_sequence = self.stop_reason() if is_final else (None, None)
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": content,
+            "stop_reason": stop_reason,
+            "stop_sequence": stop_sequence,
+            "usage": self.usage_json(),
+        }
+
+
+class ContentBlocks:
+    """Engine text -> parsed output -> content blocks, returning the stream events that build them.
+
+    A block runs until output of another kind arrives. Text blocks hold whitespace back until
+    visible text follows it, and one after another block starts at its first visible character:
+    the separators around reasoning and tool calls are template markup, not content."""
+
+    def __init__(self, parser: OutputParser):
+        self.parser = parser
+        self.blocks: list[dict[str, Any]] = []
+        self._kind: str | None = None  # of the open block (the last one)
+        self._call_id: str | None = None  # the parser's id of the open tool call
+        self._call_index: int | None = None
+        self._held = ""  # trailing whitespace, not yet in a text block
+        self._malformed: list[int] = []  # tool_use blocks whose call the parser gave back as text
+
+    @property
+    def content(self) -> list[dict[str, Any]]:
+        """The message's blocks; a call that proved malformed is left out (its text follows as text)."""
+        return [b for i, b in enumerate(self.blocks) if i not in self._malformed]
+
+    @property
+    def has_tool_use(self) -> bool:
+        return bool(self.parser.tool_calls)
+
+    def feed(self, text: str) -> list[Event]:
+        return self._add(self.parser.feed(text))
+
+    def finish(self) -> list[Event]:
+        return self._add(self.parser.finish()) + self._close()
+
+    def _add(self, pd: ParsedDelta) -> list[Event]:
+        events = self._thinking(pd.reasoning) if pd.reasoning else []
+        if pd.content:
+            events += self._text(pd.content)
+        for call in pd.tool_calls:
+            events += self._tool_call(call)
+        return events
+
+    def _close(self) -> list[Event]:
+        """Close the open block: a thinking block gets its signature, a tool_use block its input."""
+        if self._kind is None:
+            return []
+        block, events = self.blocks[-1], []
+        if self._kind == "thinking":
+            block["signature"] = hashlib.sha256(block["thinking"].encode()).hexdigest()
+            events.append(self._delta({"type": "signature_delta", "signature": block["signature"]}))
+        elif self._kind == "tool_use":
+            call = next((c for c in self.parser.tool_calls if c.id == self._call_id), None)
+            if call is None:
+                self._malformed.append(len(self.blocks) - 1)
+            else:
+                block["input"] = json.loads(call.arguments)
+        self._kind = None
+        return [*events, {"type": "content_block_stop", "index": len(self.blocks) - 1}]
+
+    def _open(self, block: dict[str, Any]) -> list[Event]:
+        events, self._held = self._close(), ""
+        self.blocks.append(block)
+        self._kind = block["type"]
+        start = {**block, "input": {}} if block["type"] == "tool_use" else dict(block)
+        return [*events, {"type": "content_block_start", "index": len(self.blocks) - 1, "content_block": start}]
+
+    def _delta(self, delta: dict[str, Any]) -> Event:
+        return {"type": "content_block_delta", "index": len(self.blocks) - 1, "delta": delta}
+
+    def _thinking(self, text: str) -> list[Event]:
+        events = [] if self._kind == "thinking" else self._open({"type": "thinking", "thinking": "", "signature": ""})
+        self.blocks[-1]["thinking"] += text
+        return [*events, self._delta({"type": "thinking_delta", "thinking": text})]
+
+    def _text(self, text: str) -> list[Event]:
+        text, self._held = self._held + text, ""
+        visible = text.rstrip()
+        if not visible:
+            self._held = text
+            return []
+        events: list[Event] = []
+        if self._kind != "text":
+            events = self._open({"type": "text", "text": ""})
+            visible = visible.lstrip() if len(self.blocks) > 1 else visible
+        self._held = text[len(text.rstrip()) :]
+        self.blocks[-1]["text"] += visible
+        return [*events, self._delta({"type": "text_delta", "text": visible})]
+
+    def _tool_call(self, call: ToolCallDelta) -> list[Event]:
+        events: list[Event] = []
+        if self._kind != "tool_use" or call.index != self._call_index:
+            assert call.id is not None and call.name is not None, "a call's first delta names it"
+            tool_id = "toolu_" + call.id.removeprefix("call_")
+            events = self._open({"type": "tool_use", "id": tool_id, "name": call.name, "input": {}})
+            self._call_id, self._call_index = call.id, call.index
+        if call.arguments:
+            events.append(self._delta({"type": "input_json_delta", "partial_json": call.arguments}))
+        return events

@@ -1,0 +1,135 @@
+"""One request's output, split into reasoning, visible content and tool calls as it streams.
+
+``OutputParser`` runs the reasoning parser first (``<think>...</think>``, seeded from the prompt
+text the engine runs), then the tool-call parser on the visible content. Feeding the output in
+any split gives the same joined result as feeding it whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from atom_anyio.parse.reasoning import REASONING_PARSERS, ReasoningParser, opens_reasoning
+from atom_anyio.parse.tool_calls import TOOL_CALL_PARSERS, ToolCall, ToolCallDelta, ToolParser, detect_tool_format
+
+__all__ = ["OutputParser", "ParsedDelta", "ParserSpec", "ToolCall", "ToolCallDelta"]
+
+
+@dataclass
+class ParsedDelta:
+    """Newly classified output; at most one entry per call index. From ``feed``, reasoning comes
+    before content and content before the calls in the text (text after a call waits for the
+    next feed); ``finish`` returns whatever is left."""
+
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.reasoning or self.content or self.tool_calls)
+
+    def __add__(self, other: ParsedDelta) -> ParsedDelta:
+        return ParsedDelta(
+            self.reasoning + other.reasoning,
+            self.content + other.content,
+            merge_deltas(self.tool_calls + other.tool_calls),
+        )
+
+
+@dataclass(frozen=True)
+class ParserSpec:
+    """Which parsers a server runs; built once at startup from the chat template and the flags."""
+
+    reasoning_tags: tuple[str, str] | None = None  # e.g. ("<think>", "</think>")
+    tool_format: str | None = None  # one of TOOL_CALL_PARSERS
+
+    def __post_init__(self) -> None:
+        if self.tool_format is not None and self.tool_format not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_format must be one of {sorted(TOOL_CALL_PARSERS)}, got {self.tool_format!r}")
+
+    @classmethod
+    def detect(
+        cls,
+        chat_template: str | Mapping[str, str] | None,
+        *,
+        reasoning_parser: str = "auto",
+        tool_call_parser: str = "auto",
+    ) -> ParserSpec:
+        """``"auto"``: detect from the template text; ``"none"``: off; a name forces that parser.
+        An unknown name is a ValueError listing the choices."""
+        if isinstance(chat_template, Mapping):
+            chat_template = "\n".join(chat_template.values())
+        template = chat_template or ""
+        reasoning = _choose("reasoning_parser", reasoning_parser, REASONING_PARSERS, _detect_reasoning(template))
+        return cls(
+            reasoning_tags=REASONING_PARSERS[reasoning] if reasoning else None,
+            tool_format=_choose("tool_call_parser", tool_call_parser, TOOL_CALL_PARSERS, detect_tool_format(template)),
+        )
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """Mistral's ``[TOOL_CALLS]`` is a special token: tool parsing needs it in the output text."""
+        return self.tool_format == "mistral"
+
+
+def _choose(flag: str, value: str, choices: Mapping[str, object], detected: str | None) -> str | None:
+    if value == "auto":
+        return detected
+    if value == "none":
+        return None
+    if value not in choices:
+        raise ValueError(f"{flag} must be one of {['auto', 'none', *choices]}, got {value!r}")
+    return value
+
+
+def _detect_reasoning(template: str) -> str | None:
+    return "think" if "<think>" in template or "</think>" in template else None
+
+
+class OutputParser:
+    """One choice's output parser. ``prompt_text`` seeds the reasoning channel (a prompt ending
+    inside an open ``<think>`` starts in reasoning); ``parse_tools`` False leaves tool syntax as content."""
+
+    def __init__(self, spec: ParserSpec, prompt_text: str | None, *, parse_tools: bool):
+        tags = spec.reasoning_tags
+        self._reasoning = ReasoningParser(tags, in_reasoning=opens_reasoning(prompt_text, tags)) if tags else None
+        self._tools = ToolParser.for_format(spec.tool_format) if parse_tools and spec.tool_format else None
+
+    def feed(self, text: str) -> ParsedDelta:
+        """One engine text delta in; the newly classified text out."""
+        reasoning, content = self._reasoning.feed(text) if self._reasoning else ("", text)
+        if self._tools is None:
+            return ParsedDelta(reasoning, content)
+        content, calls = self._tools.feed(content)
+        return ParsedDelta(reasoning, content, merge_deltas(calls))
+
+    def finish(self) -> ParsedDelta:
+        """End of output: release held-back text; an unfinished or malformed call comes back as content."""
+        reasoning, content = self._reasoning.finish() if self._reasoning else ("", "")
+        if self._tools is None:
+            return ParsedDelta(reasoning, content)
+        content, calls = self._tools.feed(content)
+        rest, more = self._tools.finish()
+        return ParsedDelta(reasoning, content + rest, merge_deltas(calls + more))
+
+    def parse_all(self, text: str) -> ParsedDelta:
+        """A whole output at once (non-streaming responses): ``feed(text) + finish()``."""
+        return self.feed(text) + self.finish()
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        """The complete, well-formed calls so far."""
+        return list(self._tools.calls) if self._tools else []
+
+
+def merge_deltas(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
+    """Consecutive deltas of one call joined into one."""
+    out: list[ToolCallDelta] = []
+    for d in deltas:
+        if out and out[-1].index == d.index:
+            last = out[-1]
+            out[-1] = ToolCallDelta(last.index, last.id or d.id, last.name or d.name, last.arguments + d.arguments)
+        else:
+            out.append(d)
+    return out

@@ -1,0 +1,499 @@
+"""Tool calls parsed out of the visible output as it streams, one parser per model family.
+
+Every parser announces a call with its name first, then streams its arguments as JSON text
+fragments that join to the call's arguments object. A call that turns out malformed (invalid
+JSON when it closes, unclosed at the end) comes back as content, never as an exception.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from atom_anyio.parse.reasoning import partial_tag_len
+
+
+@dataclass
+class ToolCallDelta:
+    index: int  # 0-based index of the call within this choice
+    id: str | None = None  # "call_<24 hex>", set on the first delta of a call
+    name: str | None = None  # set on the first delta of a call (before any arguments)
+    arguments: str = ""  # a JSON text fragment; a call's fragments join to its arguments object
+
+
+@dataclass
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # the complete JSON object text
+
+
+def new_call_id() -> str:
+    return f"call_{secrets.token_hex(12)}"
+
+
+def detect_tool_format(template: str) -> str | None:
+    """The tool-call format a chat template's prompt teaches, or None."""
+    if "<function=" in template:
+        return "qwen3_coder"
+    if "<tool_call>" in template:
+        return "hermes"
+    if "[TOOL_CALLS]" in template:
+        return "mistral"
+    if "<|python_tag|>" in template or "ipython" in template:
+        return "llama3_json"
+    return None
+
+
+# call bodies
+
+
+class _JsonExtent:
+    """Where a JSON object or array ends, found incrementally (strings and escapes respected)."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.max_depth = 0
+        self._in_string = False
+        self._escape = False
+
+    def feed(self, text: str) -> int | None:
+        """The offset in ``text`` just past the value's end, or None if it has not ended."""
+        for i, c in enumerate(text):
+            if self._in_string:
+                if self._escape:
+                    self._escape = False
+                elif c == "\\":
+                    self._escape = True
+                elif c == '"':
+                    self._in_string = False
+            elif c == '"':
+                self._in_string = True
+            elif c in "{[":
+                self.depth += 1
+                self.max_depth = max(self.max_depth, self.depth)
+            elif c in "}]":
+                self.depth -= 1
+                if self.depth <= 0:
+                    return i + 1
+        return None
+
+
+# `{"name": "...", "arguments": ` up to the arguments object: enough to announce the call
+_JSON_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
+
+
+class _JsonCall:
+    """One ``{"name": ..., "arguments"|"parameters": {...}}`` object as it streams. The raw
+    arguments text streams once the head is seen; any other layout is parsed when it closes."""
+
+    def __init__(self, index: int):
+        self.index = index
+        self.id = new_call_id()
+        self.name: str | None = None
+        self.text = ""  # the object's text so far
+        self.rest = ""  # text pushed past the object's end, for the caller
+        self.is_complete = False
+        self._object = _JsonExtent()
+        self._arguments = _JsonExtent()
+        self._is_opaque = False  # not in the streamable layout: parsed whole when it closes
+        self._args_start = self._sent = 0
+        self._args_end: int | None = None
+
+    @property
+    def is_announced(self) -> bool:
+        return self.name is not None
+
+    def push(self, text: str) -> list[ToolCallDelta]:
+        if self.is_complete:
+            self.rest += text
+            return []
+        end = self._object.feed(text)
+        if end is not None:
+            text, self.rest, self.is_complete = text[:end], self.rest + text[end:], True
+        self.text += text
+        deltas = [] if self.is_announced or self._is_opaque else self._announce()
+        return deltas + self._stream_arguments()
+
+    def _announce(self) -> list[ToolCallDelta]:
+        m = _JSON_HEAD.match(self.text)
+        if m is None:
+            self._is_opaque = self._object.max_depth > 1 or self.is_complete
+            return []
+        try:
+            name = json.loads(m.group(1))
+        except json.JSONDecodeError:
+            self._is_opaque = True
+            return []
+        self.name, self._args_start, self._sent = name, m.end(), m.end()
+        return [ToolCallDelta(self.index, id=self.id, name=name)]
+
+    def _stream_arguments(self) -> list[ToolCallDelta]:
+        if not self.is_announced or self._args_end is not None:
+            return []
+        end = self._arguments.feed(self.text[self._sent :])
+        sent = len(self.text) if end is None else self._sent + end
+        fragment, self._sent = self.text[self._sent : sent], sent
+        if end is not None:
+            self._args_end = sent
+        return [ToolCallDelta(self.index, arguments=fragment)] if fragment else []
+
+    def close(self) -> tuple[list[ToolCallDelta], ToolCall | None]:
+        """The finished call (and its one delta, if it was never announced), or None if malformed."""
+        if not self.is_complete or self.rest.strip():
+            return [], None
+        call = self._parse()
+        if call is None or self.is_announced:
+            return [], call
+        return [ToolCallDelta(self.index, id=call.id, name=call.name, arguments=call.arguments)], call
+
+    def _parse(self) -> ToolCall | None:
+        try:
+            obj = json.loads(self.text)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+            return None
+        args = obj["arguments"] if "arguments" in obj else obj.get("parameters")
+        if not isinstance(args, dict):
+            return None
+        if not self.is_announced:
+            return ToolCall(self.id, obj["name"], json.dumps(args, ensure_ascii=False))
+        if self._args_end is None:
+            return None
+        raw = self.text[self._args_start : self._args_end]
+        if obj["name"] != self.name or json.loads(raw) != args:
+            return None
+        return ToolCall(self.id, self.name, raw)
+
+
+_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>")
+_PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>")
+_FUNCTION_END = re.compile(r"\s*</function>")
+_PARAMETER_END = "</parameter>"
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(name)
+
+
+def _parameter_value(raw: str) -> Any:
+    """A parameter's value: JSON when it parses as JSON, else the text (one newline trimmed each side)."""
+    text = raw.removeprefix("\n").removesuffix("\n")
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
+    except ValueError:
+        return text
+
+
+class _XmlCall:
+    """One Qwen3-Coder ``<function=NAME><parameter=P>value</parameter>...</function>`` body; the
+    arguments object streams one parameter at a time."""
+
+    def __init__(self, index: int):
+        self.index = index
+        self.id = new_call_id()
+        self.name: str | None = None
+        self.text = ""
+        self._pos = 0
+        self._parameter: str | None = None  # the open parameter's name
+        self._arguments: list[str] = []
+        self._is_done = False
+
+    @property
+    def is_announced(self) -> bool:
+        return self.name is not None
+
+    def push(self, text: str) -> list[ToolCallDelta]:
+        self.text += text
+        deltas: list[ToolCallDelta] = []
+        while not self._is_done and self._advance(deltas):
+            pass
+        return deltas
+
+    def _advance(self, deltas: list[ToolCallDelta]) -> bool:
+        """Consume the next complete element at ``_pos``; False when it is not all here yet."""
+        if self.name is None:
+            if m := _FUNCTION.match(self.text, self._pos):
+                self.name, self._pos = m.group(1).strip(), m.end()
+                deltas.append(ToolCallDelta(self.index, id=self.id, name=self.name))
+            return m is not None
+        if self._parameter is not None:
+            end = self.text.find(_PARAMETER_END, self._pos)
+            if end < 0:
+                return False
+            value = _parameter_value(self.text[self._pos : end])
+            key, self._parameter, self._pos = self._parameter, None, end + len(_PARAMETER_END)
+            separator = ", " if self._arguments else "{"
+            deltas.append(
+                self._fragment(
+                    f"{separator}{json.dumps(key, ensure_ascii=False)}: {json.dumps(value, ensure_ascii=False)}"
+                )
+            )
+            return True
+        if m := _PARAMETER.match(self.text, self._pos):
+            self._parameter, self._pos = m.group(1).strip(), m.end()
+            return True
+        if m := _FUNCTION_END.match(self.text, self._pos):
+            self._is_done, self._pos = True, m.end()
+            deltas.append(self._fragment("}" if self._arguments else "{}"))
+            return True
+        return False
+
+    def _fragment(self, text: str) -> ToolCallDelta:
+        self._arguments.append(text)
+        return ToolCallDelta(self.index, arguments=text)
+
+    def close(self) -> tuple[list[ToolCallDelta], ToolCall | None]:
+        if not self._is_done or self.text[self._pos :].strip():
+            return [], None
+        arguments = "".join(self._arguments)
+        try:
+            json.loads(arguments)
+        except json.JSONDecodeError:
+            return [], None
+        return [], ToolCall(self.id, self.name, arguments)
+
+
+# parsers
+
+
+class ToolParser:
+    """Content outside calls passes through; a subclass per format recognises the calls.
+
+    ``_step`` consumes what it can decide from ``_buf`` and returns (content, deltas), or None
+    when it must wait for more text. A feed stops once a call has ended, so that content after
+    it waits for the next feed and the text order (content, then calls) holds within one result.
+    """
+
+    def __init__(self) -> None:
+        self.calls: list[ToolCall] = []  # complete, well-formed calls
+        self._buf = ""
+        self._call: _JsonCall | _XmlCall | None = None
+        self._raw = ""  # the text of the call being parsed: content again if it is malformed
+        self._num_announced = 0
+        self._after_call = False  # whitespace right after a call is dropped unless text follows
+        self._is_final = False
+
+    @classmethod
+    def for_format(cls, name: str) -> ToolParser:
+        return TOOL_CALL_PARSERS[name]()
+
+    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        self._buf += text
+        return self._run()
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        self._is_final = True
+        return self._run()
+
+    def _run(self) -> tuple[str, list[ToolCallDelta]]:
+        content: list[str] = []
+        deltas: list[ToolCallDelta] = []
+        while not (deltas and self._call is None and not self._is_final):
+            step = self._step()
+            if step is None:
+                break
+            content.append(step[0])
+            deltas += step[1]
+        return "".join(content), deltas
+
+    def _step(self) -> tuple[str, list[ToolCallDelta]] | None:
+        raise NotImplementedError
+
+    def _end_call(self, deltas: list[ToolCallDelta], *, is_closed: bool = True) -> tuple[str, list[ToolCallDelta]]:
+        """The current call is over: keep it, or hand its text back as content if it is malformed."""
+        assert self._call is not None
+        more, call = self._call.close() if is_closed else ([], None)
+        if call is not None or self._call.is_announced:
+            self._num_announced += 1
+        self._call = None
+        raw, self._raw = self._raw, ""
+        if call is None:
+            return raw, deltas
+        self.calls.append(call)
+        self._after_call = True
+        return "", deltas + more
+
+    def _json_call_step(self) -> tuple[str, list[ToolCallDelta]] | None:
+        """A JSON call that ends where its object closes (no close tag)."""
+        assert isinstance(self._call, _JsonCall)
+        buf, self._buf = self._buf, ""
+        deltas = self._call.push(buf)
+        self._raw += buf[: len(buf) - len(self._call.rest)]
+        self._buf, self._call.rest = self._call.rest, ""
+        if self._call.is_complete or self._is_final:
+            return self._end_call(deltas)
+        return ("", deltas) if buf else None
+
+
+class _TaggedParser(ToolParser):
+    """Calls open with ``start_tag``; text outside them is content."""
+
+    start_tag = "<tool_call>"
+    end_tag = "</tool_call>"
+
+    def _step(self) -> tuple[str, list[ToolCallDelta]] | None:
+        return self._text_step() if self._call is None else self._call_step()
+
+    def _open(self) -> None:
+        raise NotImplementedError
+
+    def _text_step(self) -> tuple[str, list[ToolCallDelta]] | None:
+        tag = self.start_tag
+        if self._after_call:
+            rest = self._buf.lstrip()
+            if not self._is_final and tag.startswith(rest):
+                return None  # whitespace or part of a tag: wait to see what follows
+            if rest.startswith(tag) or not rest:
+                self._buf = rest  # another call or the end follows: the whitespace goes
+            self._after_call = False
+        buf = self._buf
+        at = buf.find(tag)
+        if at == 0:
+            self._buf, self._raw = buf[len(tag) :], tag
+            self._open()
+            return "", []
+        if at < 0:
+            at = len(buf) - (0 if self._is_final else partial_tag_len(buf, tag))
+            if at == 0:
+                return None
+        self._buf = buf[at:]
+        return buf[:at], []
+
+    def _call_step(self) -> tuple[str, list[ToolCallDelta]] | None:
+        """A call body that ends at ``end_tag``; unclosed at the end, it is malformed."""
+        assert self._call is not None
+        buf = self._buf
+        end = buf.find(self.end_tag)
+        if end >= 0:
+            body, self._buf = buf[:end], buf[end + len(self.end_tag) :]
+            self._raw += body + self.end_tag
+            return self._end_call(self._call.push(body))
+        if self._is_final:
+            self._raw, self._buf = self._raw + buf, ""
+            return self._end_call(self._call.push(buf), is_closed=False)
+        body = buf[: len(buf) - partial_tag_len(buf, self.end_tag)]
+        if not body:
+            return None
+        self._raw, self._buf = self._raw + body, buf[len(body) :]
+        return "", self._call.push(body)
+
+
+class HermesParser(_TaggedParser):
+    """Hermes / Qwen2.5 / Qwen3: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``."""
+
+    def _open(self) -> None:
+        self._call = _JsonCall(self._num_announced)
+
+
+class Qwen3CoderParser(_TaggedParser):
+    """Qwen3-Coder: ``<tool_call><function=NAME><parameter=P>value</parameter>...</function></tool_call>``."""
+
+    def _open(self) -> None:
+        self._call = _XmlCall(self._num_announced)
+
+
+class MistralParser(_TaggedParser):
+    """Mistral: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``."""
+
+    start_tag = "[TOOL_CALLS]"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._expect: str | None = None  # inside the list: the punctuation allowed next
+
+    def _open(self) -> None:
+        self._expect = "["
+
+    def _step(self) -> tuple[str, list[ToolCallDelta]] | None:
+        if self._call is not None:
+            return self._json_call_step()
+        return self._list_step() if self._expect is not None else self._text_step()
+
+    def _list_step(self) -> tuple[str, list[ToolCallDelta]] | None:
+        rest = self._buf.lstrip()
+        if not rest and not self._is_final:
+            return None
+        if not rest or rest[0] not in self._expect:
+            self._expect = None  # not a call list after all: its text so far is content
+            raw, self._raw = self._raw, ""
+            return raw, []
+        self._raw += self._buf[: len(self._buf) - len(rest)]
+        if rest[0] == "{":
+            self._buf, self._call, self._expect = rest, _JsonCall(self._num_announced), ",]"
+            return "", []
+        self._raw, self._buf = self._raw + rest[0], rest[1:]
+        self._expect = "{" if rest[0] in "[," else None
+        if self._expect is None:
+            self._raw, self._after_call = "", True
+        return "", []
+
+    def _end_call(self, deltas: list[ToolCallDelta], *, is_closed: bool = True) -> tuple[str, list[ToolCallDelta]]:
+        num_calls = len(self.calls)
+        out = super()._end_call(deltas, is_closed=is_closed)
+        if len(self.calls) == num_calls:
+            self._expect = None  # a malformed call ends the list: what follows is text
+        return out
+
+
+class Llama3JsonParser(ToolParser):
+    """Llama 3.1/3.2 JSON tool calling: the whole output is ``{"name": ..., "parameters": {...}}``
+    (``;``-separated for several), possibly after ``<|python_tag|>``; any other output is content."""
+
+    python_tag = "<|python_tag|>"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._state = "expect"  # expect (a call may start) -> after (a call ended) -> ...; or plain
+
+    def _step(self) -> tuple[str, list[ToolCallDelta]] | None:
+        if self._call is not None:
+            return self._json_call_step()
+        if self._state == "plain":
+            piece, self._buf = self._buf, ""
+            return (piece, []) if piece else None
+        rest = self._buf.lstrip()
+        skipped = self._buf[: len(self._buf) - len(rest)]
+        return self._expect_step(rest, skipped) if self._state == "expect" else self._after_step(rest, skipped)
+
+    def _expect_step(self, rest: str, skipped: str) -> tuple[str, list[ToolCallDelta]] | None:
+        if rest.startswith(self.python_tag):
+            self._raw, self._buf = self._raw + skipped + self.python_tag, rest[len(self.python_tag) :]
+            return "", []
+        if rest.startswith("{"):
+            self._raw, self._buf, self._call = self._raw + skipped, rest, _JsonCall(self._num_announced)
+            return "", []
+        if not self._is_final and self.python_tag.startswith(rest):
+            return None
+        self._state = "plain"  # not a call: the rest of the output is content
+        raw, self._raw = self._raw, ""
+        return raw, []
+
+    def _after_step(self, rest: str, skipped: str) -> tuple[str, list[ToolCallDelta]] | None:
+        if rest.startswith(";"):
+            self._raw, self._buf, self._state = skipped + ";", rest[1:], "expect"
+            return "", []
+        if not rest:
+            if self._is_final:
+                self._buf = ""  # trailing whitespace after the calls goes
+            return None
+        self._state = "plain"
+        return "", []
+
+    def _end_call(self, deltas: list[ToolCallDelta], *, is_closed: bool = True) -> tuple[str, list[ToolCallDelta]]:
+        num_calls = len(self.calls)
+        out = super()._end_call(deltas, is_closed=is_closed)
+        self._state = "after" if len(self.calls) > num_calls else "plain"
+        return out
+
+
+TOOL_CALL_PARSERS: dict[str, type[ToolParser]] = {
+    "hermes": HermesParser,
+    "qwen3_coder": Qwen3CoderParser,
+    "llama3_json": Llama3JsonParser,
+    "mistral": MistralParser,
+}

@@ -1,0 +1,206 @@
+"""Chat completions with reasoning and tool calls: the Qwen3-style test template, the tiny model,
+the real engine, detokenizer, parsers and Quart app.
+
+A random tiny model never writes a tool call by itself, so these tests install a scripted sampler:
+a fake at the model boundary that picks the next token of a fixed text (then EOS) instead of
+sampling the logits. Everything after the sampler is real.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import asynccontextmanager
+
+import pytest
+
+from atom_anyio.api.app import AtomApp
+from atom_anyio.config import Config
+from atom_anyio.engine.sampler import SamplerOutput, SamplingInputs
+from atom_anyio.templates import template_path
+
+pytestmark = pytest.mark.anyio
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+NO_THINKING = {"enable_thinking": False}
+ARGUMENTS = '{"city": "Paris", "unit": "celsius"}'
+CALL = f'<tool_call>\n{{"name": "get_weather", "arguments": {ARGUMENTS}}}\n</tool_call>'
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"  # Quart is asyncio-only
+
+
+class ScriptedSampler:
+    """The fake: each row's next token is the next token of ``text``, then EOS."""
+
+    def __init__(self, tokenizer, text: str):
+        self.token_ids = tokenizer.encode(text, add_special_tokens=False)
+
+    def __call__(self, logits, inputs: SamplingInputs) -> SamplerOutput:
+        step = [len(out) for out in inputs.output_token_ids]
+        eos = inputs.eos_token_ids[0]
+        tokens = [self.token_ids[i] if i < len(self.token_ids) else eos for i in step]
+        return SamplerOutput(tokens, [None] * len(tokens))
+
+
+@asynccontextmanager
+async def chat_app(tiny_model):
+    atom = AtomApp(Config(kv_cache_gib=0.05, chat_template=template_path("qwen3_tools")), loaded=tiny_model)
+    async with atom.server.serving():
+        yield atom
+
+
+@pytest.fixture
+async def app(tiny_model):
+    async with chat_app(tiny_model) as atom:
+        yield atom
+
+
+def script(atom: AtomApp, text: str) -> None:
+    atom.server.engine.worker.sampler = ScriptedSampler(atom.server.loaded.tokenizer, text)
+
+
+async def chat(atom: AtomApp, **body) -> dict:
+    r = await atom.quart.test_client().post("/v1/chat/completions", json={"messages": USER, "max_tokens": 200, **body})
+    assert r.status_code == 200, await r.get_data(as_text=True)
+    return await r.get_json()
+
+
+async def chat_stream(atom: AtomApp, **body) -> list[dict]:
+    body = {"messages": USER, "max_tokens": 200, "stream": True, **body}
+    r = await atom.quart.test_client().post("/v1/chat/completions", json=body)
+    assert r.status_code == 200
+    events = [e.removeprefix("data: ") for e in (await r.get_data(as_text=True)).split("\n\n") if e]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def joined(chunks: list[dict], key: str) -> str:
+    return "".join(c["choices"][0]["delta"].get(key) or "" for c in chunks if c["choices"])
+
+
+async def test_a_tool_call_comes_back_as_message_tool_calls(app):
+    script(app, CALL)
+    body = await chat(app, tools=[WEATHER_TOOL], chat_template_kwargs=NO_THINKING)
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    message = choice["message"]
+    assert message["content"] is None and message["reasoning_content"] is None
+    [call] = message["tool_calls"]
+    assert call["id"].startswith("call_") and len(call["id"]) == len("call_") + 24
+    assert call["type"] == "function"
+    assert call["function"] == {"name": "get_weather", "arguments": ARGUMENTS}
+
+
+async def test_a_streamed_tool_call_sends_the_name_then_argument_fragments(app):
+    script(app, f"The user wants the weather.\n</think>\n\n{CALL}")
+    chunks = await chat_stream(app, tools=[WEATHER_TOOL])  # thinking on: the prompt ends inside <think>
+    assert joined(chunks, "reasoning_content") == "The user wants the weather."
+    assert joined(chunks, "content") == ""
+    calls = [tc for c in chunks if c["choices"] for tc in c["choices"][0]["delta"].get("tool_calls", [])]
+    first, rest = calls[0], calls[1:]
+    assert first["index"] == 0 and first["type"] == "function" and first["id"].startswith("call_")
+    assert first["function"]["name"] == "get_weather"
+    assert all(set(tc) == {"index", "function"} and set(tc["function"]) == {"arguments"} for tc in rest)
+    fragments = [tc["function"]["arguments"] for tc in calls]
+    assert len([f for f in fragments if f]) > 1 and "".join(fragments) == ARGUMENTS
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert not any(tag in json.dumps(chunks) for tag in ("<think>", "</think>", "<tool_call>", "</tool_call>"))
+
+
+async def test_reasoning_content_in_the_message_and_in_stream_deltas(app):
+    text = "Paris is in France.\n</think>\n\nIt is sunny in Paris."
+    script(app, text)
+    body = await chat(app)
+    message = body["choices"][0]["message"]
+    assert message["reasoning_content"] == "Paris is in France."
+    assert message["content"] == "It is sunny in Paris." and "tool_calls" not in message
+    assert body["choices"][0]["finish_reason"] == "stop"
+    script(app, text)
+    chunks = await chat_stream(app)
+    assert joined(chunks, "reasoning_content") == "Paris is in France."
+    assert joined(chunks, "content") == "It is sunny in Paris."
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("tool_choice", ["none", None])
+async def test_without_tool_parsing_tool_syntax_is_plain_content(app, tool_choice):
+    body = {"chat_template_kwargs": NO_THINKING}
+    if tool_choice is not None:
+        body |= {"tools": [WEATHER_TOOL], "tool_choice": tool_choice}
+    script(app, CALL)
+    choice = (await chat(app, **body))["choices"][0]
+    assert choice["message"]["content"] == CALL and "tool_calls" not in choice["message"]
+    assert choice["finish_reason"] == "stop"
+    script(app, CALL)
+    chunks = await chat_stream(app, **body)
+    assert joined(chunks, "content") == CALL and "tool_calls" not in json.dumps(chunks)
+
+
+async def test_a_malformed_call_comes_back_as_content(app):
+    malformed = '<tool_call>\n{"name": get_weather, "arguments": {}}\n</tool_call>'
+    script(app, malformed)
+    choice = (await chat(app, tools=[WEATHER_TOOL], chat_template_kwargs=NO_THINKING))["choices"][0]
+    assert choice["message"]["content"] == malformed and "tool_calls" not in choice["message"]
+    assert choice["finish_reason"] == "stop"
+    script(app, malformed)
+    chunks = await chat_stream(app, tools=[WEATHER_TOOL], chat_template_kwargs=NO_THINKING)
+    assert joined(chunks, "content") == malformed and chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_text_before_a_call_is_content_and_a_cut_off_call_is_content(app):
+    script(app, f"Let me look that up. {CALL}")
+    message = (await chat(app, tools=[WEATHER_TOOL], chat_template_kwargs=NO_THINKING))["choices"][0]["message"]
+    assert message["content"] == "Let me look that up. " and len(message["tool_calls"]) == 1
+    script(app, CALL)
+    choice = (await chat(app, tools=[WEATHER_TOOL], chat_template_kwargs=NO_THINKING, max_tokens=8))["choices"][0]
+    assert choice["finish_reason"] == "length" and "tool_calls" not in choice["message"]
+    assert CALL.startswith(choice["message"]["content"])
+
+
+async def test_an_assistant_tool_call_and_its_result_render_through_the_template(app):
+    messages = [
+        *USER,
+        {
+            "role": "assistant",
+            "content": None,
+            "reasoning_content": "I should call the tool.",
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": ARGUMENTS}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 24 C"},
+    ]
+    client = app.quart.test_client()
+    r = await client.post("/tokenize", json={"messages": messages, "tools": [WEATHER_TOOL]})
+    tokenized = await r.get_json()
+    prompt = app.server.loaded.tokenizer.decode(tokenized["tokens"])
+    assert f"<|im_start|>assistant\n<think>\nI should call the tool.\n</think>\n\n{CALL}<|im_end|>" in prompt
+    assert "<|im_start|>user\n<tool_response>\nsunny, 24 C\n</tool_response><|im_end|>" in prompt
+    assert '<tools>\n{"type": "function", "function": {"name": "get_weather"' in prompt
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n")
+    script(app, "The tool says sunny.\n</think>\n\nIt is sunny, 24 C.")
+    body = await chat(app, messages=messages, tools=[WEATHER_TOOL])
+    assert body["usage"]["prompt_tokens"] == tokenized["count"]
+    assert body["choices"][0]["message"]["content"] == "It is sunny, 24 C."
+    assert body["choices"][0]["message"]["reasoning_content"] == "The tool says sunny."
+
+
+async def test_the_parser_flags_override_the_template(tiny_model):
+    config = Config(
+        kv_cache_gib=0.05, chat_template=template_path("qwen3_tools"), reasoning_parser="none", tool_call_parser="none"
+    )
+    atom = AtomApp(config, loaded=tiny_model)
+    async with atom.server.serving():
+        script(atom, f"Thoughts.\n</think>\n\n{CALL}")
+        message = (await chat(atom, tools=[WEATHER_TOOL]))["choices"][0]["message"]
+    assert message["content"] == f"Thoughts.\n</think>\n\n{CALL}" and message["reasoning_content"] is None
