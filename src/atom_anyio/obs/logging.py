@@ -1,31 +1,93 @@
-"""structlog set-up: JSON lines by default, console rendering on a TTY."""
+"""structlog set-up: JSON lines by default, console rendering on a TTY.
+
+Everything goes through one handler on the root logger whose
+``ProcessorFormatter`` runs the same processors for structlog events and for
+stdlib records (hypercorn's error and access logs, libraries), so every line
+has ``event``, ``level``, ``timestamp`` and ``logger``, plus ``request_id`` and
+the other request fields bound in contextvars while a request runs."""
 
 from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Mapping
+from typing import Any, TextIO
 
 import structlog
+from structlog.typing import EventDict, Processor
+
+# hypercorn's own rendering of an access line (only seen by handlers other than ours)
+ACCESS_LOG_FORMAT = "%(m)s %(U)s %(s)s %(L)s"
+ACCESS_LOGGER = "hypercorn.access"
+
+# libraries that print through a handler of their own; routed through the root handler instead
+SELF_HANDLED_LOGGERS = ("transformers",)
+
+_handler: logging.Handler | None = None
 
 
-def configure_logging(fmt: str = "auto", level: str = "info") -> None:
-    """``fmt``: json, console, or auto (console when stderr is a TTY)."""
-    use_json = fmt == "json" or (fmt == "auto" and not sys.stderr.isatty())
-    renderer = (
-        structlog.processors.JSONRenderer()
-        if use_json
-        else structlog.dev.ConsoleRenderer(exception_formatter=structlog.dev.plain_traceback)
+def access_fields(_: Any, __: str, event: EventDict) -> EventDict:
+    """A hypercorn access record becomes ``http.access`` with typed fields.
+    Only named atoms are kept: the atom mapping also holds every request
+    header and environment variable (an API key among them)."""
+    atoms = event.pop("positional_args", None)
+    record = event.get("_record")
+    if record is None or record.name != ACCESS_LOGGER or not isinstance(atoms, Mapping):
+        return event
+    event.update(
+        event="http.access",
+        method=atoms["m"],
+        path=atoms["U"],
+        status=int(atoms["s"]) if atoms["s"].isdigit() else None,
+        duration_s=float(atoms["L"]),
+        client=atoms["h"],
     )
-    processors = [
+    rid = atoms["{x-request-id}o"]
+    if rid != "-":
+        event["request_id"] = rid
+    return event
+
+
+def configure_logging(fmt: str = "auto", level: str = "info", stream: TextIO | None = None) -> None:
+    """``fmt``: json, console, or auto (console when ``stream`` is a TTY).
+    ``stream`` defaults to stderr. Safe to call again: it replaces its handler."""
+    global _handler
+    stream = stream or sys.stderr
+    use_json = fmt == "json" or (fmt == "auto" and not stream.isatty())
+    shared: list[Processor] = [
         structlog.contextvars.merge_contextvars,
-        structlog.processors.add_log_level,
+        structlog.stdlib.add_log_level,
+        structlog.stdlib.add_logger_name,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
-    if use_json:
-        processors += [structlog.processors.dict_tracebacks]
+    rendering: list[Processor] = (
+        [structlog.processors.dict_tracebacks, structlog.processors.JSONRenderer()]
+        if use_json
+        else [structlog.dev.ConsoleRenderer(exception_formatter=structlog.dev.plain_traceback)]
+    )
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=[*shared, access_fields],
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *rendering],
+            pass_foreign_args=True,
+        )
+    )
+    numeric_level = logging.getLevelName(level.upper())
+    root = logging.getLogger()
+    if _handler is not None:
+        root.removeHandler(_handler)
+    root.addHandler(handler)
+    root.setLevel(numeric_level)
+    _handler = handler
+    for name in SELF_HANDLED_LOGGERS:
+        lib = logging.getLogger(name)
+        lib.handlers.clear()
+        lib.propagate = True
+    logging.captureWarnings(True)
     structlog.configure(
-        processors=[*processors, renderer],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
+        wrapper_class=structlog.make_filtering_bound_logger(numeric_level),
+        logger_factory=structlog.stdlib.LoggerFactory(),
         cache_logger_on_first_use=False,
     )
