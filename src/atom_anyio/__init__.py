@@ -21,8 +21,18 @@ def __getattr__(name: str) -> Any:
         from atom_anyio.llm import LLM
 
         return LLM
-    if name == "app":
-        from atom_anyio.api.app import app
-
-        return app
     raise AttributeError(name)
+
+
+class _App:
+    """``atom_anyio:app`` for ASGI servers. A real module attribute (hypercorn
+    resolves ``module:app`` with ``eval`` over the module's namespace), which
+    imports the server on first use, so importing the package stays cheap."""
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        from atom_anyio.api.app import app as atom_app
+
+        await atom_app(scope, receive, send)
+
+
+app = _App()

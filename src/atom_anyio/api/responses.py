@@ -161,7 +161,7 @@ class ResponseEncoder:
             "output": self.output if finished else [],
             "parallel_tool_calls": req.parallel_tool_calls,
             "previous_response_id": req.previous_response_id,
-            "reasoning": {"effort": req.reasoning and req.reasoning.effort, "summary": None},
+            "reasoning": {"effort": None, "summary": None, **(req.reasoning.model_dump() if req.reasoning else {})},
             "store": req.store,
             "temperature": 1.0 if req.temperature is None else req.temperature,
             "text": req.text.model_dump(exclude_none=True),
