@@ -9,6 +9,7 @@ Prints a table and one JSON line. Never fails on a number.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -115,7 +116,15 @@ def run_atom(loaded, prompts, output_len: int, args) -> dict:
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     elapsed = time.perf_counter() - t
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    print(f"atom_anyio: {n_out} tokens in {elapsed:.1f} s = {n_out / elapsed:.1f} out tok/s", flush=True)
     return {"elapsed_s": elapsed, "output_tokens": n_out, "steps": eng.num_steps, "timings": dict(eng.step_timings)}
+
+
+def cb_config():
+    """Bound transformers' KV cache like ours (it sizes itself from free memory otherwise)."""
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    return ContinuousBatchingConfig(num_blocks=256, max_batch_tokens=2048, max_requests_per_batch=64)
 
 
 def run_transformers(model_path: str, dtype, prompts, output_len: int) -> dict:
@@ -129,7 +138,7 @@ def run_transformers(model_path: str, dtype, prompts, output_len: int) -> dict:
         mode = "continuous batching (generate_batch)"
         t = time.perf_counter()
         with torch.inference_mode():
-            res = model.generate_batch(inputs=prompts, generation_config=gen)
+            res = model.generate_batch(inputs=prompts, generation_config=gen, continuous_batching_config=cb_config())
         elapsed = time.perf_counter() - t
         n_out = sum(len(r.generated_tokens) for r in res.values())
     else:
@@ -141,6 +150,7 @@ def run_transformers(model_path: str, dtype, prompts, output_len: int) -> dict:
                 out = model.generate(batch, generation_config=gen)
                 n_out += (out.shape[1] - batch.shape[1]) * batch.shape[0]
         elapsed = time.perf_counter() - t
+    print(f"transformers: {n_out} tokens in {elapsed:.1f} s = {n_out / elapsed:.1f} out tok/s", flush=True)
     return {"elapsed_s": elapsed, "output_tokens": n_out, "mode": mode}
 
 
@@ -192,6 +202,8 @@ def main() -> None:
     loaded = load_model(args.model, dtype=args.dtype)
     prompts = make_prompts(loaded.tokenizer, args.num_prompts, args.prompt_len)
     rows = {"atom_anyio": run_atom(loaded, prompts, args.output_len, args)}
+    del loaded
+    gc.collect()  # free our KV pool before the peers run
     if not args.skip_transformers:
         dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
         rows["transformers"] = run_transformers(args.model or default_model_path(), dtype, prompts, args.output_len)

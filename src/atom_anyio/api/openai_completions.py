@@ -47,6 +47,8 @@ def completions_blueprint(server: Server) -> Blueprint:
         admission = server.admit()
         try:
             prepared = await server.prepare_many(prompts)
+            # usage counts every prompt; Usage.add() only raises it to one prompt's count
+            encoder.usage.prompt_tokens = sum(p.num_prompt_tokens for p in prepared)
             encoder.prompt_texts = [p.text or "" for p in prepared]
             if req.echo:
                 encoder.prompt_texts = [

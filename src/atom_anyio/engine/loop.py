@@ -217,11 +217,11 @@ class Engine:
             input_ids += seq.token_ids[start : start + n]
             positions += range(start, start + n)
             context_lens.append(start + n)
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
             if start + n == len(seq):
                 sample_rows.append(row)
                 sampled.append(seq)
-                if seq.first_scheduled_time is None:
-                    seq.first_scheduled_time = time.monotonic()
         sampling = SamplingInputs(
             params=[s.params for s in sampled],
             prompt_token_ids=[s.prompt_token_ids for s in sampled]
