@@ -25,6 +25,9 @@ def export(gguf: str, out: str) -> None:
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     save_file(state, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    model.config.quantization_config = None  # the weights written are dequantized
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
     model.config.save_pretrained(out)
     model.generation_config.save_pretrained(out)
     tok.save_pretrained(out)

@@ -36,6 +36,7 @@ SERVE_FLAGS = {
     "max_num_seqs": int,
     "max_num_batched_tokens": int,
     "kv_cache_gib": float,
+    "num_threads": int,
     "api_key": str,
     "host": str,
     "port": int,

@@ -24,6 +24,7 @@ class Config:
     max_num_batched_tokens: int = 2048
     kv_cache_gib: float = 2.0
     block_size: int = 16
+    num_threads: int | None = None  # torch threads on CPU; default all cores but one (the event loop's)
     api_key: str | None = field(default=None, repr=False)
     host: str = "127.0.0.1"
     port: int = 8000
@@ -68,6 +69,7 @@ class Config:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             kv_cache_gib=self.kv_cache_gib,
+            num_threads=self.num_threads,
         )
 
     def replace(self, **changes: Any) -> Config:

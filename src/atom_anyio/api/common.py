@@ -82,6 +82,7 @@ class Usage:
     completion_tokens: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     inter_token_gaps: list[float] = field(default_factory=list)  # between deltas, as the client sees them
+    finish_reason: str | None = None  # the last choice to finish
     _last_delta_at: float | None = None
 
     def add(self, d: Delta) -> None:
@@ -96,6 +97,8 @@ class Usage:
             self._last_delta_at = at
         if d.metrics:
             self.timings = d.metrics
+        if d.finish_reason is not None:
+            self.finish_reason = d.finish_reason
 
     def openai(self) -> dict[str, Any]:
         return {

@@ -101,6 +101,12 @@ class AttentionMetadata:
         )
 
 
+def gather(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``cache[index]`` for a ``[B, L]`` slot index: ``index_select`` on the
+    flattened index is several times faster than advanced indexing on CPU."""
+    return torch.index_select(cache, 0, index.reshape(-1)).view(*index.shape, *cache.shape[1:])
+
+
 class TorchPagedAttention:
     """Portable paged attention on any torch device (CPU, CUDA, ROCm)."""
 
@@ -121,8 +127,8 @@ class TorchPagedAttention:
         out = torch.empty_like(q)
         if nd:
             qd = q[:nd].unsqueeze(2)  # [Bd, H, 1, D]
-            kd = k_cache[meta.decode_kv_index].transpose(1, 2)  # [Bd, KVH, Ld, D]
-            vd = v_cache[meta.decode_kv_index].transpose(1, 2)
+            kd = gather(k_cache, meta.decode_kv_index).transpose(1, 2)  # [Bd, KVH, Ld, D]
+            vd = gather(v_cache, meta.decode_kv_index).transpose(1, 2)
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, enable_gqa=True)
             out[:nd] = od.squeeze(2)
         if meta.num_prefill_seqs == 0:
@@ -136,8 +142,8 @@ class TorchPagedAttention:
         qpad = q.new_zeros(bp * lq, h, d)
         qpad[meta.prefill_pad_index] = q[nd:]
         qp = qpad.view(bp, lq, h, d).transpose(1, 2)
-        kp = k_cache[meta.prefill_kv_index].transpose(1, 2)
-        vp = v_cache[meta.prefill_kv_index].transpose(1, 2)
+        kp = gather(k_cache, meta.prefill_kv_index).transpose(1, 2)
+        vp = gather(v_cache, meta.prefill_kv_index).transpose(1, 2)
         op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=meta.prefill_mask, enable_gqa=True)
         out[nd:] = op.transpose(1, 2).reshape(bp * lq, h, d)[meta.prefill_pad_index]
         return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 
@@ -15,3 +16,10 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # overrides the budget (tests force preemption with it)
     enable_prefix_caching: bool = True
     max_consecutive_step_failures: int = 3  # then the engine is marked unhealthy
+    # torch intra-op threads for the forward on CPU; None: all cores but one, which is left to the
+    # event loop (OpenMP threads spinning against a busy loop thread make every step many times slower)
+    num_threads: int | None = None
+
+    @property
+    def cpu_threads(self) -> int:
+        return self.num_threads or max(1, (os.cpu_count() or 2) - 1)

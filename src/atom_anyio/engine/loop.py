@@ -60,7 +60,7 @@ class Engine:
         self.scheduler = Scheduler(
             self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.enable_prefix_caching
         )
-        self.worker = Worker(loaded.model, num_blocks, cfg.block_size)
+        self.worker = Worker(loaded.model, num_blocks, cfg.block_size, cfg.cpu_threads)
         self._inbox: list[Sequence] = []
         self._wakeup: anyio.Event | None = None  # created by run(): an Event belongs to one event loop
         self.is_running = False

@@ -48,7 +48,7 @@ def kv_bytes_per_token(model: LlamaForCausalLM, dtype: torch.dtype) -> int:
 
 
 class Worker:
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int):
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, num_threads: int = 1):
         self.model = model
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -65,6 +65,7 @@ class Worker:
         )
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_pool]
         self.block_size = block_size
+        self.num_threads = num_threads
         self.sampler = Sampler()
         self.limiter = anyio.CapacityLimiter(1)
         self.failpoint: Exception | None = None  # off unless a test sets it: every step raises it
@@ -73,6 +74,8 @@ class Worker:
     def execute(self, step: StepInput) -> StepOutput:
         if self.device.type == "cuda":  # the current device is per thread
             torch.cuda.set_device(self.device)
+        elif torch.get_num_threads() != self.num_threads:  # OpenMP settings are per thread too
+            torch.set_num_threads(self.num_threads)
         t0 = time.perf_counter()
         if self.failpoint is not None:
             raise self.failpoint
