@@ -130,9 +130,14 @@ def cb_config():
 def run_transformers(model_path: str, dtype, prompts, output_len: int) -> dict:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    d, f = os.path.dirname(model_path), os.path.basename(model_path)
-    kw = {"gguf_file": f} if f.endswith(".gguf") else {}
-    model = AutoModelForCausalLM.from_pretrained(d if kw else model_path, dtype=dtype, **kw).eval()
+    if model_path.endswith(".gguf"):  # plain dequantized weights, not transformers' packed GGUF kernels
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from export_hf import export
+
+        hf_dir = tempfile.mkdtemp(prefix="atom-bench-hf-")
+        export(model_path, hf_dir)
+        model_path = hf_dir
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
     gen = GenerationConfig(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False, eos_token_id=None)
     if hasattr(model, "generate_batch"):
         mode = "continuous batching (generate_batch)"

@@ -7,6 +7,7 @@ Each call runs the same async engine loop the server runs, inside
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +56,8 @@ class LLM:
         self, model: str | LoadedModel | None = None, dtype: str = "float32", device: str = "cpu", **engine_kwargs: Any
     ):
         self.loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype, device=device)
+        # offline, the event loop idles while a step runs: the forward may use every core
+        engine_kwargs.setdefault("num_threads", os.cpu_count() or 1)
         self.engine = Engine(self.loaded, EngineConfig(**engine_kwargs))
         self.tokenizer = self.loaded.tokenizer
         self.prepare_ctx = PrepareContext(
