@@ -20,7 +20,7 @@ from structlog.typing import EventDict, Processor
 ACCESS_LOG_FORMAT = "%(m)s %(U)s %(s)s %(L)s"
 ACCESS_LOGGER = "hypercorn.access"
 
-# libraries that print through a handler of their own; routed through the root handler instead
+# libraries that print through a console handler of their own; routed through the root handler instead
 SELF_HANDLED_LOGGERS = ("transformers",)
 
 _handler: logging.Handler | None = None
@@ -82,8 +82,10 @@ def configure_logging(fmt: str = "auto", level: str = "info", stream: TextIO | N
     _handler = handler
     for name in SELF_HANDLED_LOGGERS:
         lib = logging.getLogger(name)
-        lib.handlers.clear()
-        lib.propagate = True
+        consoles = [h for h in lib.handlers if type(h) is logging.StreamHandler]  # files stay
+        for h in consoles:
+            lib.removeHandler(h)
+        lib.propagate = lib.propagate or bool(consoles)
     logging.captureWarnings(True)
     structlog.configure(
         processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],

@@ -233,7 +233,7 @@ def plot(s: dict[str, Any], out: str | Path) -> None:
     ax_tput.plot(minutes, [w["generated_tok_per_s"] for w in s["windows"]], marker=".", color="tab:green")
     ax_tput.set_ylabel("generated tok/s", color="tab:green")
     ax_req = ax_tput.twinx()
-    ax_req.plot(minutes, [w["requests_per_s"] for w in s["windows"]], marker=".", color="tab:purple")
+    ax_req.plot(minutes, [w["requests_per_s"] for w in s["windows"]], marker=".", linestyle="--", color="tab:purple")
     ax_req.set_ylabel("requests/s", color="tab:purple")
     ax_tput.set_xlabel("minutes since the first finished request")
     ax_tput.set_title("throughput")

@@ -37,7 +37,9 @@ class EngineCollector(Collector):
         yield GaugeMetricFamily("atom_requests_running", "Sequences running", value=len(sched.running))
         yield GaugeMetricFamily("atom_requests_waiting", "Sequences waiting", value=len(sched.waiting))
         yield GaugeMetricFamily("atom_kv_cache_usage_ratio", "Fraction of KV blocks in use", value=bm.usage)
-        yield GaugeMetricFamily("atom_kv_cache_blocks_free", "Free KV blocks (cached ones included)", value=bm.num_free_blocks)
+        yield GaugeMetricFamily(
+            "atom_kv_cache_blocks_free", "Free KV blocks (cached ones included)", value=bm.num_free_blocks
+        )
         yield CounterMetricFamily(
             "atom_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", value=bm.num_hit_tokens
         )
@@ -47,22 +49,34 @@ class EngineCollector(Collector):
 class Metrics:
     def __init__(self, per_request: bool | None = None) -> None:
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("atom_requests", "Requests by endpoint and outcome", ["endpoint", "outcome"], registry=r)
+        self.requests = Counter(
+            "atom_requests", "Requests by endpoint and outcome", ["endpoint", "outcome"], registry=r
+        )
         self.prompt_tokens = Counter("atom_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("atom_generation_tokens", "Generated tokens", registry=r)
         self.segment_cache_hits = Counter(
             "atom_segment_cache_hit_tokens", "Prompt tokens taken from the segment cache", registry=r
         )
-        self.ttft = Histogram("atom_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "atom_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r
+        )
         self.itl = Histogram("atom_inter_token_latency_seconds", "Time between deltas", buckets=ITL_BUCKETS, registry=r)
         self.e2e = Histogram("atom_e2e_request_latency_seconds", "End to end", buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_time = Histogram("atom_request_queue_time_seconds", "Waiting for a first step", buckets=LATENCY_BUCKETS, registry=r)
-        self.prepare_seconds = Histogram("atom_prepare_prompt_seconds", "Time in prepare_prompt", buckets=LATENCY_BUCKETS, registry=r)
-        self.request_prompt_tokens = Histogram("atom_request_prompt_tokens", "Prompt length", buckets=TOKEN_BUCKETS, registry=r)
+        self.queue_time = Histogram(
+            "atom_request_queue_time_seconds", "Waiting for a first step", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.prepare_seconds = Histogram(
+            "atom_prepare_prompt_seconds", "Time in prepare_prompt", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.request_prompt_tokens = Histogram(
+            "atom_request_prompt_tokens", "Prompt length", buckets=TOKEN_BUCKETS, registry=r
+        )
         self.request_generation_tokens = Histogram(
             "atom_request_generation_tokens", "Generated tokens per request", buckets=TOKEN_BUCKETS, registry=r
         )
-        self.loop_lag = Histogram("atom_event_loop_lag_seconds", "Event-loop scheduling delay", buckets=LAG_BUCKETS, registry=r)
+        self.loop_lag = Histogram(
+            "atom_event_loop_lag_seconds", "Event-loop scheduling delay", buckets=LAG_BUCKETS, registry=r
+        )
         self.gc_pause = Histogram("atom_gc_pause_seconds", "GC pauses", ["generation"], buckets=GC_BUCKETS, registry=r)
         if per_request is None:
             per_request = os.environ.get("ATOM_METRICS_PER_REQUEST", "") in ("1", "true", "yes")

@@ -1,0 +1,92 @@
+"""Helpers the test modules share: ports, bounded polling, an in-process
+hypercorn, and the one fake (a scripted sampler at the model boundary)."""
+
+from __future__ import annotations
+
+import functools
+import socket
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from typing import Any
+
+import anyio
+import httpx
+from hypercorn.asyncio import serve as hypercorn_serve
+from hypercorn.config import Config as HypercornConfig
+
+from atom_anyio.engine.sampler import SamplerOutput, SamplingInputs
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def wait_until(predicate: Callable[[], Any], timeout: float = 30) -> None:
+    """Poll a condition (bounded), for state with no event to wait on."""
+    with anyio.fail_after(timeout):
+        while not predicate():
+            await anyio.sleep(0.005)
+
+
+async def wait_healthy(base_url: str, timeout: float = 60) -> None:
+    """Until GET /health answers 200: the readiness endpoint, not a fixed sleep."""
+    async with httpx.AsyncClient(base_url=base_url) as http:
+        with anyio.fail_after(timeout):
+            while True:
+                try:
+                    if (await http.get("/health")).status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass
+                await anyio.sleep(0.05)
+
+
+@asynccontextmanager
+async def served_over_http(app: Any, port: int | None = None) -> AsyncIterator[str]:
+    """Real hypercorn serving ``app`` on 127.0.0.1 in this event loop; yields
+    the base URL and shuts down gracefully (the lifespan drains) at exit."""
+    port = port or free_port()
+    hc = HypercornConfig()
+    hc.bind, hc.accesslog = [f"127.0.0.1:{port}"], None
+    stop = anyio.Event()
+    base_url = f"http://127.0.0.1:{port}"
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(functools.partial(hypercorn_serve, app, hc, shutdown_trigger=stop.wait))
+        await wait_healthy(base_url)
+        try:
+            yield base_url
+        finally:
+            stop.set()
+
+
+class ScriptedSampler:
+    """The model boundary, faked: each row's next token is the next token of
+    ``text`` (then EOS), whatever the logits say; ``fail_at`` raises at that
+    output position, as a device error would. The forward, engine loop,
+    detokenizer, parsers and API mapping all stay real."""
+
+    def __init__(self, tokenizer: Any, text: str, fail_at: int | None = None):
+        self.token_ids = tokenizer.encode(text, add_special_tokens=False)
+        self.fail_at = fail_at
+
+    def __call__(self, logits: Any, inputs: SamplingInputs) -> SamplerOutput:
+        positions = [len(out) for out in inputs.output_token_ids]
+        if self.fail_at is not None and self.fail_at in positions:
+            raise RuntimeError("device lost")
+        eos = inputs.eos_token_ids[0]
+        ids = [self.token_ids[n] if n < len(self.token_ids) else eos for n in positions]
+        return SamplerOutput(ids, [None] * len(ids))
+
+
+@contextmanager
+def scripted(atom: Any, text: str, fail_at: int | None = None) -> Iterator[None]:
+    """Install a ScriptedSampler on ``atom``'s engine for the block."""
+    worker = atom.server.engine.worker
+    real = worker.sampler
+    worker.sampler = ScriptedSampler(atom.server.loaded.tokenizer, text, fail_at)
+    try:
+        yield
+    finally:
+        worker.sampler = real
