@@ -11,31 +11,24 @@ Quart runs on asyncio only, so every test here runs on the asyncio backend.
 
 from __future__ import annotations
 
-import functools
 import json
 import re
-import socket
+from contextlib import ExitStack
 from typing import Any
 
 import anthropic
-import anyio
-import httpx
 import pytest
-import torch
-from hypercorn.asyncio import serve as hypercorn_serve
-from hypercorn.config import Config as HypercornConfig
+from support import ScriptedSampler, free_port, scripted, served_over_http
 
 from atom_anyio.api.anthropic_schemas import MessagesRequest
 from atom_anyio.api.app import AtomApp
 from atom_anyio.config import Config
-from atom_anyio.engine.sampler import SamplerOutput, SamplingInputs
 from atom_anyio.prompt.prepare import prepare_prompt
 from atom_anyio.templates import template_path
 
 pytestmark = pytest.mark.anyio
 
 TEMPLATE = template_path("qwen3_tools")
-EOS = 2  # <|im_end|>, the tiny model's eos token
 API_KEY = "sk-ant-test"
 MODEL = "tiny"
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -51,32 +44,9 @@ TOOL_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris",
 THINK_THEN_CALL = f"{THOUGHT}\n</think>\n\nLet me check.\n{TOOL_CALL}"  # the prompt opened the <think>
 
 
-class ScriptedSampler:
-    """The model boundary, faked: each row's next token is the next token of ``text`` (then
-    EOS), whatever the logits say; ``fail_at`` raises at that output position, as a device
-    error would."""
-
-    def __init__(self, tokenizer: Any, text: str, fail_at: int | None = None):
-        self.token_ids = tokenizer.encode(text, add_special_tokens=False)
-        self.fail_at = fail_at
-
-    def __call__(self, logits: torch.Tensor, inputs: SamplingInputs) -> SamplerOutput:
-        positions = [len(out) for out in inputs.output_token_ids]
-        if self.fail_at is not None and self.fail_at in positions:
-            raise RuntimeError("device lost")
-        ids = [self.token_ids[n] if n < len(self.token_ids) else EOS for n in positions]
-        return SamplerOutput(ids, [None] * len(ids))
-
-
 @pytest.fixture(scope="module")
 def anyio_backend() -> str:
     return "asyncio"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -93,35 +63,20 @@ async def atom(tiny_model):
         max_body_bytes=256 * 1024,
     )
     app = AtomApp(config, loaded=tiny_model)
-    hc = HypercornConfig()
-    hc.bind = [f"{config.host}:{config.port}"]
-    stop = anyio.Event()
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(functools.partial(hypercorn_serve, app, hc, shutdown_trigger=stop.wait))
-        async with httpx.AsyncClient(base_url=f"http://{config.host}:{config.port}") as http:
-            with anyio.fail_after(60):
-                while True:
-                    try:
-                        if (await http.get("/health")).status_code == 200:
-                            break
-                    except httpx.TransportError:
-                        await anyio.sleep(0.05)
+    async with served_over_http(app, port=config.port):
         yield app
-        stop.set()
 
 
 @pytest.fixture
-def script(atom, tiny_model):
+def script(atom):
     """``script(text)`` makes the model write ``text``; the real sampler is back after the test."""
-    worker = atom.server.engine.worker
-    real = worker.sampler
+    with ExitStack() as installed:
 
-    def install(text: str, **kwargs: Any) -> ScriptedSampler:
-        worker.sampler = ScriptedSampler(tiny_model.tokenizer, text, **kwargs)
-        return worker.sampler
+        def install(text: str, fail_at: int | None = None) -> ScriptedSampler:
+            installed.enter_context(scripted(atom, text, fail_at))
+            return atom.server.engine.worker.sampler
 
-    yield install
-    worker.sampler = real
+        yield install
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ from typing import Any
 import anyio
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from support import wait_until
 
 import atom_anyio.api.server as server_module
 from atom_anyio.api.app import AtomApp
@@ -150,13 +151,6 @@ async def requests_total(client) -> dict[tuple[str, str], float]:
             if sample.name == "atom_requests_total":
                 counts[sample.labels["endpoint"], sample.labels["outcome"]] = sample.value
     return counts
-
-
-async def wait_until(predicate: Callable[[], bool], timeout: float = 20) -> None:
-    """Poll ``predicate`` at every turn of the event loop (no fixed sleeps)."""
-    with anyio.fail_after(timeout):
-        while not predicate():
-            await anyio.sleep(0)
 
 
 def engine_is_idle(atom: AtomApp, num_free_blocks: int) -> Callable[[], bool]:
@@ -798,7 +792,7 @@ async def test_client_disconnect_mid_stream_aborts_and_frees_kv_blocks(budgeted)
         [seq] = engine.scheduler.running
         assert engine.block_manager.num_free_blocks < num_free
         await conn.disconnect()
-    await wait_until(engine_is_idle(budgeted, num_free))
+    await wait_until(engine_is_idle(budgeted, num_free), timeout=20)
     assert 3 <= seq.num_output_tokens < 3000
     assert seq.is_finished and not seq.block_table
     after = await requests_total(client)
@@ -816,11 +810,13 @@ async def test_client_disconnect_before_the_first_token_aborts_and_frees_kv_bloc
         await conn.send(long_chat(max_tokens=8, stream=streaming))
         await conn.send_complete()
         # wait until the prompt is part-way through its prefill
-        await wait_until(lambda: bool(engine.scheduler.running) and engine.scheduler.running[0].num_computed_tokens > 0)
+        await wait_until(
+            lambda: bool(engine.scheduler.running) and engine.scheduler.running[0].num_computed_tokens > 0, timeout=20
+        )
         [seq] = engine.scheduler.running
         assert seq.num_output_tokens == 0
         await conn.disconnect()
-    await wait_until(engine_is_idle(budgeted, num_free))
+    await wait_until(engine_is_idle(budgeted, num_free), timeout=20)
     assert seq.is_finished and seq.num_output_tokens == 0
     assert not conn.response_data  # not one chunk went out
 
@@ -865,7 +861,7 @@ async def test_no_sequence_survives_100_mixed_requests(client, atom):
     gc.collect()
     existing = {o.seq_id for o in gc.get_objects() if type(o) is Sequence}
     await run_mixed_requests(client, 100)
-    await wait_until(engine_is_idle(atom, num_free))
+    await wait_until(engine_is_idle(atom, num_free), timeout=20)
     gc.collect()
     survivors = [o for o in gc.get_objects() if type(o) is Sequence and o.seq_id not in existing]
     assert survivors == []
@@ -930,7 +926,7 @@ async def test_prepare_runs_off_the_event_loop_which_stays_responsive(tiny_model
                 await conn.send_complete()
             # prefilling 30k tokens on CPU takes seconds; the point was prepare
             await conn.disconnect()
-        await wait_until(engine_is_idle(atom, num_free))
+        await wait_until(engine_is_idle(atom, num_free), timeout=20)
 
     assert num_ticks_in_prepare >= 5, "the event loop did not run while the prompt was prepared"
     bound = max(0.05, prepare_seconds[0] / 4)

@@ -12,10 +12,10 @@ import json
 from contextlib import asynccontextmanager
 
 import pytest
+from support import scripted
 
 from atom_anyio.api.app import AtomApp
 from atom_anyio.config import Config
-from atom_anyio.engine.sampler import SamplerOutput, SamplingInputs
 from atom_anyio.templates import template_path
 
 pytestmark = pytest.mark.anyio
@@ -39,19 +39,6 @@ def anyio_backend():
     return "asyncio"  # Quart is asyncio-only
 
 
-class ScriptedSampler:
-    """The fake: each row's next token is the next token of ``text``, then EOS."""
-
-    def __init__(self, tokenizer, text: str):
-        self.token_ids = tokenizer.encode(text, add_special_tokens=False)
-
-    def __call__(self, logits, inputs: SamplingInputs) -> SamplerOutput:
-        step = [len(out) for out in inputs.output_token_ids]
-        eos = inputs.eos_token_ids[0]
-        tokens = [self.token_ids[i] if i < len(self.token_ids) else eos for i in step]
-        return SamplerOutput(tokens, [None] * len(tokens))
-
-
 @asynccontextmanager
 async def chat_app(tiny_model):
     atom = AtomApp(Config(kv_cache_gib=0.05, chat_template=template_path("qwen3_tools")), loaded=tiny_model)
@@ -63,10 +50,6 @@ async def chat_app(tiny_model):
 async def app(tiny_model):
     async with chat_app(tiny_model) as atom:
         yield atom
-
-
-def script(atom: AtomApp, text: str) -> None:
-    atom.server.engine.worker.sampler = ScriptedSampler(atom.server.loaded.tokenizer, text)
 
 
 async def chat(atom: AtomApp, **body) -> dict:
@@ -89,8 +72,8 @@ def joined(chunks: list[dict], key: str) -> str:
 
 
 async def test_a_tool_call_comes_back_as_message_tool_calls(app):
-    script(app, CALL)
-    body = await chat(app, tools=[WEATHER_TOOL], chat_template_kwargs=NO_THINKING)
+    with scripted(app, CALL):
+        body = await chat(app, tools=[WEATHER_TOOL], chat_template_kwargs=NO_THINKING)
     choice = body["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
     message = choice["message"]
@@ -102,8 +85,8 @@ async def test_a_tool_call_comes_back_as_message_tool_calls(app):
 
 
 async def test_a_streamed_tool_call_sends_the_name_then_argument_fragments(app):
-    script(app, f"The user wants the weather.\n</think>\n\n{CALL}")
-    chunks = await chat_stream(app, tools=[WEATHER_TOOL])  # thinking on: the prompt ends inside <think>
+    with scripted(app, f"The user wants the weather.\n</think>\n\n{CALL}"):
+        chunks = await chat_stream(app, tools=[WEATHER_TOOL])  # thinking on: the prompt ends inside <think>
     assert joined(chunks, "reasoning_content") == "The user wants the weather."
     assert joined(chunks, "content") == ""
     calls = [tc for c in chunks if c["choices"] for tc in c["choices"][0]["delta"].get("tool_calls", [])]
@@ -119,14 +102,14 @@ async def test_a_streamed_tool_call_sends_the_name_then_argument_fragments(app):
 
 async def test_reasoning_content_in_the_message_and_in_stream_deltas(app):
     text = "Paris is in France.\n</think>\n\nIt is sunny in Paris."
-    script(app, text)
-    body = await chat(app)
+    with scripted(app, text):
+        body = await chat(app)
     message = body["choices"][0]["message"]
     assert message["reasoning_content"] == "Paris is in France."
     assert message["content"] == "It is sunny in Paris." and "tool_calls" not in message
     assert body["choices"][0]["finish_reason"] == "stop"
-    script(app, text)
-    chunks = await chat_stream(app)
+    with scripted(app, text):
+        chunks = await chat_stream(app)
     assert joined(chunks, "reasoning_content") == "Paris is in France."
     assert joined(chunks, "content") == "It is sunny in Paris."
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
@@ -137,32 +120,32 @@ async def test_without_tool_parsing_tool_syntax_is_plain_content(app, tool_choic
     body = {"chat_template_kwargs": NO_THINKING}
     if tool_choice is not None:
         body |= {"tools": [WEATHER_TOOL], "tool_choice": tool_choice}
-    script(app, CALL)
-    choice = (await chat(app, **body))["choices"][0]
+    with scripted(app, CALL):
+        choice = (await chat(app, **body))["choices"][0]
     assert choice["message"]["content"] == CALL and "tool_calls" not in choice["message"]
     assert choice["finish_reason"] == "stop"
-    script(app, CALL)
-    chunks = await chat_stream(app, **body)
+    with scripted(app, CALL):
+        chunks = await chat_stream(app, **body)
     assert joined(chunks, "content") == CALL and "tool_calls" not in json.dumps(chunks)
 
 
 async def test_a_malformed_call_comes_back_as_content(app):
     malformed = '<tool_call>\n{"name": get_weather, "arguments": {}}\n</tool_call>'
-    script(app, malformed)
-    choice = (await chat(app, tools=[WEATHER_TOOL], chat_template_kwargs=NO_THINKING))["choices"][0]
+    with scripted(app, malformed):
+        choice = (await chat(app, tools=[WEATHER_TOOL], chat_template_kwargs=NO_THINKING))["choices"][0]
     assert choice["message"]["content"] == malformed and "tool_calls" not in choice["message"]
     assert choice["finish_reason"] == "stop"
-    script(app, malformed)
-    chunks = await chat_stream(app, tools=[WEATHER_TOOL], chat_template_kwargs=NO_THINKING)
+    with scripted(app, malformed):
+        chunks = await chat_stream(app, tools=[WEATHER_TOOL], chat_template_kwargs=NO_THINKING)
     assert joined(chunks, "content") == malformed and chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
 async def test_text_before_a_call_is_content_and_a_cut_off_call_is_content(app):
-    script(app, f"Let me look that up. {CALL}")
-    message = (await chat(app, tools=[WEATHER_TOOL], chat_template_kwargs=NO_THINKING))["choices"][0]["message"]
+    with scripted(app, f"Let me look that up. {CALL}"):
+        message = (await chat(app, tools=[WEATHER_TOOL], chat_template_kwargs=NO_THINKING))["choices"][0]["message"]
     assert message["content"] == "Let me look that up. " and len(message["tool_calls"]) == 1
-    script(app, CALL)
-    choice = (await chat(app, tools=[WEATHER_TOOL], chat_template_kwargs=NO_THINKING, max_tokens=8))["choices"][0]
+    with scripted(app, CALL):
+        choice = (await chat(app, tools=[WEATHER_TOOL], chat_template_kwargs=NO_THINKING, max_tokens=8))["choices"][0]
     assert choice["finish_reason"] == "length" and "tool_calls" not in choice["message"]
     assert CALL.startswith(choice["message"]["content"])
 
@@ -188,8 +171,8 @@ async def test_an_assistant_tool_call_and_its_result_render_through_the_template
     assert "<|im_start|>user\n<tool_response>\nsunny, 24 C\n</tool_response><|im_end|>" in prompt
     assert '<tools>\n{"type": "function", "function": {"name": "get_weather"' in prompt
     assert prompt.endswith("<|im_start|>assistant\n<think>\n")
-    script(app, "The tool says sunny.\n</think>\n\nIt is sunny, 24 C.")
-    body = await chat(app, messages=messages, tools=[WEATHER_TOOL])
+    with scripted(app, "The tool says sunny.\n</think>\n\nIt is sunny, 24 C."):
+        body = await chat(app, messages=messages, tools=[WEATHER_TOOL])
     assert body["usage"]["prompt_tokens"] == tokenized["count"]
     assert body["choices"][0]["message"]["content"] == "It is sunny, 24 C."
     assert body["choices"][0]["message"]["reasoning_content"] == "The tool says sunny."
@@ -201,6 +184,6 @@ async def test_the_parser_flags_override_the_template(tiny_model):
     )
     atom = AtomApp(config, loaded=tiny_model)
     async with atom.server.serving():
-        script(atom, f"Thoughts.\n</think>\n\n{CALL}")
-        message = (await chat(atom, tools=[WEATHER_TOOL]))["choices"][0]["message"]
+        with scripted(atom, f"Thoughts.\n</think>\n\n{CALL}"):
+            message = (await chat(atom, tools=[WEATHER_TOOL]))["choices"][0]["message"]
     assert message["content"] == f"Thoughts.\n</think>\n\n{CALL}" and message["reasoning_content"] is None

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import anyio
 import httpx
 import openai
 import pytest
+from support import free_port
 
 API_KEY = "test-key"
 MAX_MODEL_LEN = 4096
@@ -35,12 +35,6 @@ class Served:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager

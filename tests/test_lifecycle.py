@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import socket
 
 import anyio
 import httpx
 import pytest
+from support import free_port, wait_healthy, wait_until
 
 from atom_anyio.api.app import AtomApp
 from atom_anyio.cli import serve
@@ -18,13 +18,6 @@ from atom_anyio.engine.loop import Engine
 from atom_anyio.sampling_params import SamplingParams
 
 CHAT = {"messages": [{"role": "user", "content": "Tell me a story."}], "temperature": 0}
-
-
-async def wait_until(predicate, timeout: float = 30) -> None:
-    """Poll a condition at every scheduling point (bounded), not with fixed sleeps."""
-    with anyio.fail_after(timeout):
-        while not predicate():
-            await anyio.sleep(0.005)
 
 
 @pytest.fixture(params=["asyncio", "trio"])
@@ -131,12 +124,6 @@ async def test_shutdown_stops_admitting_and_drains_in_flight_requests(tiny_model
     assert body["choices"][0]["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 40
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_serve_exits_non_zero_when_the_engine_crashes(tiny_model):
@@ -149,14 +136,9 @@ async def test_serve_exits_non_zero_when_the_engine_crashes(tiny_model):
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(run)
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
-            with anyio.fail_after(60):
-                while True:
-                    try:
-                        if (await http.get("/health")).status_code == 200:
-                            break
-                    except httpx.TransportError:
-                        await anyio.sleep(0.05)
+        base_url = f"http://127.0.0.1:{port}"
+        await wait_healthy(base_url)
+        async with httpx.AsyncClient(base_url=base_url) as http:
             atom.server.engine.worker.failpoint = RuntimeError("injected")
             for _ in range(atom.server.engine.cfg.max_consecutive_step_failures):
                 await http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2})

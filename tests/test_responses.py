@@ -8,31 +8,22 @@ the engine loop, the detokenizer, the output parsers and the API mapping all sta
 
 from __future__ import annotations
 
-import functools
 import json
 import re
-import socket
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
-import anyio
-import httpx
 import openai
 import pytest
-from hypercorn.asyncio import serve as hypercorn_serve
-from hypercorn.config import Config as HypercornConfig
+from support import scripted, served_over_http
 
 from atom_anyio.api.app import AtomApp
 from atom_anyio.api.response_store import ResponseStore, StoredResponse
 from atom_anyio.config import Config
-from atom_anyio.engine.sampler import SamplerOutput, SamplingInputs
 from atom_anyio.templates import template_path
 
 pytestmark = pytest.mark.anyio
 
 MAX_MODEL_LEN = 2048
-EOS = 2  # <|im_end|>, the tiny model's end token
 QWEN3_TEMPLATE = template_path("qwen3_tools")
 WEATHER_TOOL = {
     "type": "function",
@@ -136,32 +127,6 @@ def assert_documented_order(events: list[dict[str, Any]]) -> dict[str, Any]:
 
 def output_text(response: dict[str, Any]) -> str:
     return "".join(part["text"] for item in response["output"] if item["type"] == "message" for part in item["content"])
-
-
-class ScriptedSampler:
-    """A fake at the model boundary: each row's next token is its script's token at the row's
-    output position, then EOS. The forward still runs; everything after sampling is real."""
-
-    def __init__(self, token_ids: list[int]):
-        self.token_ids = token_ids
-
-    def __call__(self, logits, inputs: SamplingInputs) -> SamplerOutput:
-        tokens = [self._next(len(out)) for out in inputs.output_token_ids]
-        return SamplerOutput(tokens, [None] * len(tokens))
-
-    def _next(self, position: int) -> int:
-        return self.token_ids[position] if position < len(self.token_ids) else EOS
-
-
-@contextmanager
-def scripted(atom: AtomApp, text: str) -> Iterator[None]:
-    worker = atom.server.engine.worker
-    real = worker.sampler
-    worker.sampler = ScriptedSampler(atom.server.loaded.tokenizer.encode(text, add_special_tokens=False))
-    try:
-        yield
-    finally:
-        worker.sampler = real
 
 
 def tool_call_text(name: str, arguments: dict[str, Any]) -> str:
@@ -522,36 +487,18 @@ def test_store_stays_within_max_items_and_drops_expired_entries_from_the_front()
 # end to end: the official SDK against hypercorn
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 async def sdk(tiny_model):
     """The official AsyncOpenAI client against real hypercorn serving the app on a free port."""
-    port = free_port()
     atom = AtomApp(
         Config(max_model_len=MAX_MODEL_LEN, kv_cache_gib=0.05, chat_template=QWEN3_TEMPLATE), loaded=tiny_model
     )
-    hc = HypercornConfig()
-    hc.bind, hc.accesslog = [f"127.0.0.1:{port}"], None
-    stop = anyio.Event()
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(functools.partial(hypercorn_serve, atom, hc, shutdown_trigger=stop.wait))
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
-            with anyio.fail_after(60):
-                while True:
-                    try:
-                        if (await http.get("/health")).status_code == 200:
-                            break
-                    except httpx.TransportError:
-                        await anyio.sleep(0.05)
-        base_url = f"http://127.0.0.1:{port}/v1"
-        async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
-            yield atom, client
-        stop.set()  # graceful: hypercorn closes, the lifespan drains and stops the engine
+    # graceful at exit: hypercorn closes, the lifespan drains and stops the engine
+    async with (
+        served_over_http(atom) as base_url,
+        openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0) as client,
+    ):
+        yield atom, client
 
 
 async def test_sdk_create_retrieve_chain_and_delete(sdk):
