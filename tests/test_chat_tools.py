@@ -187,3 +187,36 @@ async def test_the_parser_flags_override_the_template(tiny_model):
         with scripted(atom, f"Thoughts.\n</think>\n\n{CALL}"):
             message = (await chat(atom, tools=[WEATHER_TOOL]))["choices"][0]["message"]
     assert message["content"] == f"Thoughts.\n</think>\n\n{CALL}" and message["reasoning_content"] is None
+
+
+async def test_openai_sdk_chat_with_tools_and_streamed_reasoning_over_http(app):
+    """The official SDK against real hypercorn: a tool-call round trip and streamed reasoning_content."""
+    import openai
+    from support import served_over_http
+
+    thought = "The user wants the weather, so I call the tool."
+    async with served_over_http(app) as base_url:
+        client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+        model = app.server.model_name
+        with scripted(app, f"{thought}\n</think>\n\n{CALL}"):  # the prompt opened the <think>
+            first = await client.chat.completions.create(model=model, messages=USER, tools=[WEATHER_TOOL])
+        message = first.choices[0].message
+        assert first.choices[0].finish_reason == "tool_calls" and message.reasoning_content == thought
+        (call,) = message.tool_calls
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments) == json.loads(ARGUMENTS)
+
+        history = [
+            *USER,
+            {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": '{"temp_c": 21}'},
+        ]
+        with scripted(app, f"{thought}\n</think>\n\nIt is 21 degrees in Paris."):
+            stream = await client.chat.completions.create(
+                model=model, messages=history, tools=[WEATHER_TOOL], stream=True
+            )
+            chunks = [chunk async for chunk in stream]
+        reasoning = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices)
+        content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert reasoning == thought and content == "It is 21 degrees in Paris."
+        assert chunks[-1].choices[0].finish_reason == "stop"
+        await client.close()
