@@ -49,6 +49,7 @@ SERVE_FLAGS = {
     "log_level": str,
     "max_body_bytes": int,
     "drain_timeout_s": float,
+    "grammar_compile_timeout_s": float,
 }
 
 

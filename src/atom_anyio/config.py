@@ -39,6 +39,7 @@ class Config:
     drain_timeout_s: float = 30.0
     segment_cache_tokens: int = 4_000_000
     prepare_threads: int = 4
+    grammar_compile_timeout_s: float = 10.0  # a structured-output grammar that takes longer is a 400
     responses_store_max_items: int = 1000  # stored Responses, least recently used out first
     responses_store_ttl_s: float = 3600.0  # a stored Response expires this long after its last use
 

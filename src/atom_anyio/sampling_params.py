@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -50,3 +51,24 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """One output constraint, shaped like vLLM's ``structured_outputs``; the grammar enforces it.
+
+    ``value`` by kind: json, a JSON schema (a dict or its JSON text); json_object, None; regex, the
+    pattern; choice, the list of allowed strings; grammar, EBNF text; structural_tag, an xgrammar
+    structural tag (a dict). ``param`` is the request field it came from, named in a 400.
+    """
+
+    kind: str
+    value: Any = None
+    param: str = "structured_outputs"
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"kind must be one of {STRUCTURED_KINDS}, got {self.kind!r}")

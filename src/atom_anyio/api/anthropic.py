@@ -30,7 +30,7 @@ def messages_blueprint(server: Server) -> Blueprint:
         server.check_model(req.model)
         admission = server.admit()
         try:
-            prepared = await server.prepare(req.prompt_request(req.max_tokens))
+            prepared = await server.prepare(req.prompt_request(req.max_tokens, req.structured(server.parser_spec)))
             encoder = MessageEncoder(server, req, prepared)
             keeps_special = req.parses_tools and server.parser_spec.keeps_special_tokens
             stream = server.submit(prepared, req.sampling_params(prepared.max_tokens, keeps_special))

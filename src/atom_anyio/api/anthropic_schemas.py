@@ -8,8 +8,10 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 from atom_anyio.api.openai_schemas import Lenient
+from atom_anyio.api.structured import forced_tools
+from atom_anyio.parse import ParserSpec
 from atom_anyio.prompt.prepare import PromptRequest
-from atom_anyio.sampling_params import SamplingParams
+from atom_anyio.sampling_params import SamplingParams, StructuredOutputs
 
 MAX_STOP_SEQUENCES = 64
 MIN_THINKING_BUDGET = 1024
@@ -223,7 +225,9 @@ class MessagesInput(Lenient):
             out += m.openai()
         return out
 
-    def prompt_request(self, max_tokens: int | None = None) -> PromptRequest:
+    def prompt_request(
+        self, max_tokens: int | None = None, structured: StructuredOutputs | None = None
+    ) -> PromptRequest:
         thinking = self.thinking
         return PromptRequest(
             messages=self.openai_messages(),
@@ -232,7 +236,17 @@ class MessagesInput(Lenient):
             add_generation_prompt=not self.continues_assistant,
             continue_final_message=self.continues_assistant,
             max_tokens=max_tokens,
+            structured=structured,
         )
+
+    def structured(self, spec: ParserSpec) -> StructuredOutputs | None:
+        """``tool_choice`` any or tool: a grammar forces the call."""
+        choice = self.tool_choice
+        if choice is None or choice.type not in ("any", "tool"):
+            return None
+        tools = [t.openai() for t in self.tools or []]
+        forced = "required" if choice.type == "any" else choice.name
+        return forced_tools(spec, tools, forced, parallel=not choice.disable_parallel_tool_use)
 
 
 class MessagesRequest(MessagesInput):

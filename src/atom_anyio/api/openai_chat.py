@@ -45,6 +45,7 @@ def chat_blueprint(server: Server) -> Blueprint:
             continue_final_message=req.continue_final_message,
             max_tokens=req.requested_max_tokens,
             truncate_prompt_tokens=req.truncate_prompt_tokens,
+            structured=req.structured(server.parser_spec),
         )
         admission = server.admit()
         try:

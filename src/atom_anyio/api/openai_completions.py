@@ -23,6 +23,7 @@ from atom_anyio.api.common import (
 from atom_anyio.api.openai_chat import openai_error_event, openai_finish_reason
 from atom_anyio.api.openai_schemas import CompletionRequest
 from atom_anyio.api.server import Server
+from atom_anyio.api.structured import only_one
 from atom_anyio.engine.sequence import Logprob
 from atom_anyio.prompt.prepare import PromptRequest
 
@@ -34,12 +35,14 @@ def completions_blueprint(server: Server) -> Blueprint:
     async def completions() -> Any:
         req = await parse_body(CompletionRequest)
         server.check_model(req.model)
+        structured = only_one(*req.vllm_structured())
         prompts = [
             PromptRequest(
                 prompt=p if isinstance(p, str) else None,
                 prompt_token_ids=None if isinstance(p, str) else p,
                 max_tokens=req.max_tokens,
                 truncate_prompt_tokens=req.truncate_prompt_tokens,
+                structured=structured,
             )
             for p in req.prompts()
         ]

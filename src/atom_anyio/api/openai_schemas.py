@@ -9,7 +9,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from atom_anyio.api.errors import APIError
-from atom_anyio.sampling_params import SamplingParams
+from atom_anyio.api.structured import bad, forced_tools, only_one, response_format, vllm_structured
+from atom_anyio.parse import ParserSpec
+from atom_anyio.sampling_params import SamplingParams, StructuredOutputs
 
 MAX_STOP_SEQUENCES = 16
 MAX_N = 128
@@ -61,6 +63,12 @@ class SamplingFields(Lenient):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM's structured outputs, and its legacy fields
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -81,6 +89,10 @@ class SamplingFields(Lenient):
             if not -100 <= b <= 100:
                 raise ValueError(f"bias for token {k} must be between -100 and 100")
         return v
+
+    def vllm_structured(self) -> list[StructuredOutputs | None]:
+        guided = {k: getattr(self, k) for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")}
+        return vllm_structured(self.structured_outputs, guided)
 
     @property
     def wants_usage_chunk(self) -> bool:
@@ -139,19 +151,31 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("top_logprobs requires logprobs to be true")
         return v
 
-    @field_validator("response_format")
-    @classmethod
-    def _response_format(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v and v.get("type", "text") != "text":
-            raise ValueError(f"response_format type {v.get('type')!r} is not supported yet (only 'text')")
-        return v
-
     @field_validator("tool_choice")
     @classmethod
     def _tool_choice(cls, v: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
         if isinstance(v, str) and v not in ("none", "auto", "required"):
             raise ValueError("must be none, auto, required or a named function")
         return v
+
+    def structured(self, spec: ParserSpec) -> StructuredOutputs | None:
+        """The request's one output constraint: a response format, vLLM's fields or a forced tool call."""
+        tools = [t.model_dump(exclude_none=True) for t in self.tools or []]
+        forced = forced_tools(spec, tools, self.forced_tool, parallel=self.parallel_tool_calls is not False)
+        return only_one(response_format(self.response_format), *self.vllm_structured(), forced)
+
+    @property
+    def forced_tool(self) -> str | None:
+        """``"required"``, a named function, or None when the model may answer without a call."""
+        choice = self.tool_choice
+        if not self.tools or choice in (None, "none", "auto"):
+            return None
+        if choice == "required":
+            return choice
+        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        if not isinstance(name, str):
+            raise bad("tool_choice", 'a named tool choice is {"type": "function", "function": {"name": ...}}')
+        return name
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -39,6 +39,7 @@ def responses_blueprint(server: Server) -> Blueprint:
             chat_template_kwargs=req.chat_template_kwargs,
             max_tokens=req.max_output_tokens,
             truncation=req.truncation,
+            structured=req.structured(server.parser_spec, tools),
         )
         admission = server.admit()
         try:

@@ -8,6 +8,9 @@ from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from atom_anyio.api.errors import APIError, from_validation_error
 from atom_anyio.api.openai_schemas import Lenient, _parse_arguments
+from atom_anyio.api.structured import forced_tools, only_one, response_format
+from atom_anyio.parse import ParserSpec
+from atom_anyio.sampling_params import StructuredOutputs
 
 MAX_METADATA_PAIRS = 16
 TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
@@ -93,7 +96,6 @@ class TextFormat(Lenient):
 
 
 class TextConfig(Lenient):
-    # recorded and echoed; json_schema/json_object are enforced once structured outputs land
     format: dict[str, Any] = Field(default_factory=lambda: {"type": "text"})
     verbosity: Literal["low", "medium", "high"] | None = None
 
@@ -194,6 +196,13 @@ class ResponsesRequest(Lenient):
     @property
     def parses_tools(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"
+
+    def structured(self, spec: ParserSpec, tools: list[FunctionTool]) -> StructuredOutputs | None:
+        """``text.format``, or the call ``tool_choice`` forces; not both."""
+        choice = self.tool_choice
+        forced = None if not tools or choice in ("none", "auto") else choice if choice == "required" else choice["name"]
+        calls = forced_tools(spec, [t.chat() for t in tools], forced, parallel=self.parallel_tool_calls)
+        return only_one(response_format(self.text.format, "text.format"), calls)
 
     @property
     def chat_template_kwargs(self) -> dict[str, Any] | None:

@@ -3,6 +3,7 @@ admission and the lifetime that owns them."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -18,12 +19,14 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 from atom_anyio.api.common import EngineFailed, Usage
 from atom_anyio.api.errors import APIError
 from atom_anyio.config import Config
+from atom_anyio.engine.grammar import Constraint, GrammarError, Grammars
 from atom_anyio.engine.loop import Engine, EngineDeadError, EngineError
 from atom_anyio.engine.sequence import Delta
 from atom_anyio.models.loader import LoadedModel, load_model
 from atom_anyio.obs.metrics import Metrics
 from atom_anyio.obs.runtime import GCTimer, freeze_heap, monitor_loop_lag
 from atom_anyio.parse import ParserSpec
+from atom_anyio.parse.reasoning import opens_reasoning
 from atom_anyio.prompt.prepare import PrepareContext, PreparedPrompt, PromptError, PromptRequest, prepare_prompt
 from atom_anyio.prompt.segment_cache import SegmentCache
 from atom_anyio.sampling_params import SamplingParams
@@ -59,6 +62,7 @@ class Server:
         self.loaded = loaded
         self.engine: Engine | None = None
         self.prepare_ctx: PrepareContext | None = None
+        self.grammars: Grammars | None = None  # structured outputs' compiler, built with the engine
         self.parser_spec = ParserSpec()  # reasoning and tool-call parsers, from the effective chat template
         self.prepare_limiter = anyio.CapacityLimiter(config.prepare_threads)
         self.metrics = Metrics()
@@ -94,6 +98,7 @@ class Server:
             reasoning_parser=cfg.reasoning_parser,
             tool_call_parser=cfg.tool_call_parser,
         )
+        self.grammars = await anyio.to_thread.run_sync(self._build_grammars)
         self.metrics.bind_engine(self.engine)
         self._idle = anyio.Event()
         self.engine_crashed = anyio.Event()
@@ -114,6 +119,7 @@ class Server:
                         await self._idle.wait()
                 gc_timer.remove()
                 gc.unfreeze()
+                self.grammars.close()
                 tg.cancel_scope.cancel()
 
     async def _warm_up(self) -> None:
@@ -138,6 +144,16 @@ class Server:
             chat_template=template or self.loaded.chat_template,
             default_chat_template_kwargs=self.config.default_chat_template_kwargs,
             context_overflow=self.config.context_overflow,
+        )
+
+    def _build_grammars(self) -> Grammars:
+        assert self.loaded is not None and self.engine is not None
+        return Grammars(
+            self.loaded.tokenizer,
+            self.loaded.config.vocab_size,
+            self.engine.eos_token_ids,
+            timeout_s=self.config.grammar_compile_timeout_s,
+            num_threads=self.config.prepare_threads,
         )
 
     async def _run_engine(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -231,6 +247,8 @@ class Server:
             prepared = await anyio.to_thread.run_sync(self._prepare_all, requests, limiter=self.prepare_limiter)
         except PromptError as exc:
             raise APIError(400, exc.message, param=exc.param, code=exc.code) from None
+        except GrammarError as exc:
+            raise APIError(400, exc.message, param=exc.param, code="invalid_value") from None
         finally:
             elapsed = time.perf_counter() - t
             self.metrics.prepare_seconds.observe(elapsed)
@@ -243,7 +261,23 @@ class Server:
         return prepared
 
     def _prepare_all(self, requests: list[PromptRequest]) -> list[PreparedPrompt]:
-        return [prepare_prompt(r, self.prepare_ctx) for r in requests]
+        return [self._prepare_one(r) for r in requests]
+
+    def _prepare_one(self, request: PromptRequest) -> PreparedPrompt:
+        prepared = prepare_prompt(request, self.prepare_ctx)
+        if request.structured is None:
+            return prepared
+        return dataclasses.replace(prepared, constraint=self._constraint(request, prepared.text))
+
+    def _constraint(self, request: PromptRequest, prompt_text: str | None) -> Constraint:
+        """The request's grammar; with a reasoning model whose prompt leaves the reasoning block
+        open, it starts after the block's end tag."""
+        grammar = self.grammars.compile(request.structured)
+        tags = self.parser_spec.reasoning_tags
+        if tags is None or not opens_reasoning(prompt_text, tags):
+            return Constraint(grammar)
+        end_ids = self.loaded.tokenizer.encode(tags[1], add_special_tokens=False)
+        return Constraint(grammar, start_after=tuple(end_ids))
 
     def run_in_prepare_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         return anyio.to_thread.run_sync(fn, *args, limiter=self.prepare_limiter)
@@ -254,7 +288,7 @@ class Server:
     def submit_many(self, items: list[tuple[PreparedPrompt, SamplingParams]]) -> MemoryObjectReceiveStream[Delta]:
         assert self.engine is not None
         try:
-            return self.engine.submit_many([(p.token_ids, p.block_hashes, params) for p, params in items])
+            return self.engine.submit_many([(p.token_ids, p.block_hashes, params, p.constraint) for p, params in items])
         except EngineError as exc:
             raise APIError(400, str(exc), code="invalid_value") from None
         except EngineDeadError as exc:

@@ -19,6 +19,7 @@ from collections.abc import Sequence as Seq
 
 import anyio
 import structlog
+import xgrammar as xgr
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream
 
@@ -26,6 +27,7 @@ from atom_anyio.engine.block_hash import block_hash_chain
 from atom_anyio.engine.block_manager import BlockManager
 from atom_anyio.engine.config import EngineConfig
 from atom_anyio.engine.detokenizer import IncrementalDetokenizer
+from atom_anyio.engine.grammar import Constraint
 from atom_anyio.engine.sampler import SamplingInputs
 from atom_anyio.engine.scheduler import ScheduledBatch, Scheduler
 from atom_anyio.engine.sequence import Delta, Sequence, Status
@@ -78,27 +80,29 @@ class Engine:
         params: SamplingParams,
         *,
         block_hashes: list[int] | None = None,
+        constraint: Constraint | None = None,
     ) -> MemoryObjectReceiveStream[Delta]:
         """Queue a request; its deltas arrive on the returned stream, tagged
-        with the choice index, until every choice has finished."""
-        return self.submit_many([(prompt_token_ids, block_hashes, params)])
+        with the choice index, until every choice has finished. ``constraint``:
+        a compiled grammar every choice's output follows."""
+        return self.submit_many([(prompt_token_ids, block_hashes, params, constraint)])
 
     def submit_many(
-        self, prompts: Seq[tuple[Seq[int], list[int] | None, SamplingParams]]
+        self, prompts: Seq[tuple[Seq[int], list[int] | None, SamplingParams, Constraint | None]]
     ) -> MemoryObjectReceiveStream[Delta]:
         """Several prompts as one request on one stream: prompt ``i``'s
         choices are numbered after those of the prompts before it."""
         if not self.is_running:
             raise EngineDeadError(self.error or "the engine is not running")
-        checked = [(list(ids), hashes, params, self.check(len(ids), params)) for ids, hashes, params in prompts]
+        checked = [(list(ids), hashes, params, c, self.check(len(ids), params)) for ids, hashes, params, c in prompts]
         send, receive = anyio.create_memory_object_stream[Delta](max_buffer_size=math.inf)
         index = 0
         with send:
-            for ids, hashes, params, max_tokens in checked:
+            for ids, hashes, params, constraint, max_tokens in checked:
                 if hashes is None:
                     hashes = block_hash_chain(ids, self.cfg.block_size)
                 seqs = [
-                    self._new_sequence(ids, hashes, params, max_tokens, send.clone(), index + i)
+                    self._new_sequence(ids, hashes, params, max_tokens, send.clone(), index + i, constraint)
                     for i in range(params.n)
                 ]
                 index += params.n
@@ -128,7 +132,7 @@ class Engine:
                 raise EngineError(f"token id {t} is out of range for a vocabulary of {vocab}")
         return max_tokens
 
-    def _new_sequence(self, ids, hashes, params, max_tokens, stream, index) -> Sequence:
+    def _new_sequence(self, ids, hashes, params, max_tokens, stream, index, constraint=None) -> Sequence:
         detok = IncrementalDetokenizer(
             self.tokenizer,
             ids,
@@ -139,6 +143,9 @@ class Engine:
         seed = None if params.seed is None else params.seed + index  # choices differ, runs repeat
         seq = Sequence(list(ids), params, stream, detok, list(hashes), index=index, seed=seed)
         seq.max_tokens = max_tokens
+        if constraint is not None:  # each choice its own matcher: their outputs differ
+            seq.matcher = xgr.GrammarMatcher(constraint.grammar)
+            seq.grammar_gate = constraint.start_after
         return seq
 
     # the loop
@@ -230,6 +237,7 @@ class Engine:
             output_token_ids=[s.output_token_ids for s in sampled],
             seeds=[s.seed for s in sampled],
             eos_token_ids=self.eos_token_ids,
+            matchers=[s.active_matcher for s in sampled] if any(s.matcher is not None for s in sampled) else [],
         )
         return StepInput(
             input_ids=input_ids,
@@ -250,8 +258,12 @@ class Engine:
             seq.num_computed_tokens += n
             if self.cfg.enable_prefix_caching:
                 self.block_manager.commit(seq)
-        for row, token, lp in zip(step.sample_rows, result.token_ids, result.logprobs, strict=True):
-            self._append_token(batch.seqs[row], token, lp)
+        rejected = set(result.rejected)
+        for i, (row, token, lp) in enumerate(zip(step.sample_rows, result.token_ids, result.logprobs, strict=True)):
+            if i in rejected:  # cannot happen while the mask is applied; never run past a broken grammar
+                self._end_with_error(batch.seqs[row], f"token {token} violates the request's output grammar")
+            else:
+                self._append_token(batch.seqs[row], token, lp)
 
     def _append_token(self, seq: Sequence, token: int, lp) -> None:
         if seq.status is not Status.RUNNING:  # aborted while its step ran
@@ -260,9 +272,12 @@ class Engine:
             seq.first_token_time = time.monotonic()
             self._release_siblings(seq)
         seq.token_ids.append(token)
+        if seq.grammar_gate and seq.token_ids[-len(seq.grammar_gate) :] == list(seq.grammar_gate):
+            seq.grammar_gate = ()  # the reasoning block closed: the grammar applies from the next token
         params, detok = seq.params, seq.detokenizer
         finish, stop_reason = None, None
-        is_eos = token in self.eos_token_ids and not params.ignore_eos
+        # a terminated grammar ends the output even under ignore_eos: it allows nothing more
+        is_eos = token in self.eos_token_ids and (not params.ignore_eos or _is_terminated(seq))
         if is_eos or token in params.stop_token_ids:
             finish, stop_reason = "stop", None if is_eos else token
             text = detok.flush()
@@ -367,3 +382,7 @@ class Engine:
         self.num_steps += 1
         if batch.num_preempted:
             log.info("engine.preempted", num_seqs=batch.num_preempted, free_blocks=self.block_manager.num_free_blocks)
+
+
+def _is_terminated(seq: Sequence) -> bool:
+    return seq.active_matcher is not None and seq.active_matcher.is_terminated()

@@ -3,7 +3,8 @@ exponential-race sample, plus the logprobs each request asked for."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -22,6 +23,9 @@ class SamplingInputs:
     output_token_ids: list[list[int]]  # generated so far; its length is the seeded row's step
     seeds: list[int | None]
     eos_token_ids: tuple[int, ...]
+    # the row's xgrammar GrammarMatcher where its output is constrained now (the worker masks the
+    # logits with it and advances it); empty or None: unconstrained
+    matchers: list[Any | None] = field(default_factory=list)
 
 
 @dataclass

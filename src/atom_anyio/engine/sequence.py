@@ -85,6 +85,9 @@ class Sequence:
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.extra: dict[str, Any] = {}
+        self.matcher: Any = None  # an xgrammar GrammarMatcher when the output is constrained
+        # token ids the output must end with before the matcher applies (a reasoning end tag); () once it has
+        self.grammar_gate: tuple[int, ...] = ()
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -108,6 +111,11 @@ class Sequence:
     @property
     def is_prefilling(self) -> bool:
         return self.num_uncomputed_tokens > 1
+
+    @property
+    def active_matcher(self) -> Any:
+        """The matcher constraining the next token, or None."""
+        return None if self.grammar_gate else self.matcher
 
     @property
     def is_finished(self) -> bool:

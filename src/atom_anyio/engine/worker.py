@@ -18,6 +18,7 @@ from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from atom_anyio.engine.attention import AttentionMetadata
+from atom_anyio.engine.grammar import accept_tokens, apply_masks
 from atom_anyio.engine.sampler import Sampler, SamplingInputs
 from atom_anyio.engine.sequence import Logprob
 from atom_anyio.models.llama import LlamaForCausalLM
@@ -39,6 +40,7 @@ class StepOutput:
     token_ids: list[int] = field(default_factory=list)  # one per sample row
     logprobs: list[Logprob | None] = field(default_factory=list)
     error: str | None = None
+    rejected: list[int] = field(default_factory=list)  # sample rows whose token their grammar refused
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -89,9 +91,13 @@ class Worker:
         if not torch.isfinite(logits).all():
             raise FloatingPointError("non-finite logits")
         t1 = time.perf_counter()
+        matchers = step.sampling.matchers
+        rows = apply_masks(logits, matchers) if matchers else []
         out = self.sampler(logits, step.sampling)
+        rejected = accept_tokens(matchers, rows, out.token_ids) if rows else []
         t2 = time.perf_counter()
-        return StepOutput(out.token_ids, out.logprobs, timings={"forward": t1 - t0, "sample": t2 - t1})
+        timings = {"forward": t1 - t0, "sample": t2 - t1}
+        return StepOutput(out.token_ids, out.logprobs, rejected=rejected, timings=timings)
 
     def _execute_or_error(self, step: StepInput) -> StepOutput:
         try:

@@ -14,8 +14,10 @@ from typing import Any
 import jinja2
 
 from atom_anyio.engine.block_hash import block_hash_chain
+from atom_anyio.engine.grammar import Constraint
 from atom_anyio.prompt.render import RESERVED_TEMPLATE_VARIABLES, compile_chat_template, render_chat
 from atom_anyio.prompt.segment_cache import SegmentCache, Tokenized
+from atom_anyio.sampling_params import StructuredOutputs
 
 CONTEXT_OVERFLOW_POLICIES = ("error", "drop_oldest")
 TRUNCATION_MODES = ("disabled", "auto", "drop_oldest")
@@ -47,6 +49,7 @@ class PromptRequest:
     max_tokens: int | None = None  # completion tokens; None: the rest of the context
     truncate_prompt_tokens: int | None = None  # keep only the last N prompt tokens; -1: as many as fit
     truncation: str | None = None  # None: the server's policy; "disabled"; "auto"/"drop_oldest"
+    structured: StructuredOutputs | None = None  # compiled in the same hop (by the server, which owns the compiler)
 
     @property
     def param(self) -> str:
@@ -119,6 +122,7 @@ class PreparedPrompt:
     max_tokens: int  # resolved: the request's, or the rest of the context
     num_segment_cache_hit_tokens: int = 0
     num_dropped_messages: int = 0
+    constraint: Constraint | None = None  # the compiled request.structured
 
     @property
     def num_prompt_tokens(self) -> int:

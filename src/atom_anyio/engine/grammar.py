@@ -1,0 +1,211 @@
+"""Structured outputs: a request's constraint compiled to an xgrammar grammar, bounded in time.
+
+``Grammars`` is one per server. It compiles in the prepare step's worker thread (never on the
+event loop) through a small pool so that a compile can be given up on after ``timeout_s``;
+xgrammar's own cache, keyed by the schema text, makes a repeated schema free. The engine then
+runs one ``GrammarMatcher`` per sequence (see ``Worker`` for the masks).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any
+
+import xgrammar as xgr
+
+from atom_anyio.sampling_params import StructuredOutputs
+
+# JSON Schema keywords xgrammar 0.2 would silently ignore: enforcing only part of a schema would
+# let outputs through that do not validate, so a schema using one is refused instead.
+UNSUPPORTED_KEYWORDS = (
+    "not",
+    "if",
+    "then",
+    "else",
+    "oneOf",
+    "contains",
+    "minContains",
+    "maxContains",
+    "patternProperties",
+    "propertyNames",
+    "dependentRequired",
+    "dependentSchemas",
+    "dependencies",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+    "$dynamicRef",
+)
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
+_SUBSCHEMA_LISTS = ("anyOf", "allOf", "prefixItems")
+_SUBSCHEMAS = ("items", "additionalProperties")
+_LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # xgrammar's "[time] file.cc:line: " prefix
+
+
+class GrammarError(ValueError):
+    """A constraint that cannot be compiled; the API layer answers 400 naming ``param``."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What the engine needs to constrain one request's sequences."""
+
+    grammar: xgr.CompiledGrammar
+    # token ids the output must contain before the grammar applies (a reasoning block's end tag);
+    # empty: constrained from the first token
+    start_after: tuple[int, ...] = ()
+
+
+class Grammars:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: Sequence[int],
+        *,
+        timeout_s: float = 10.0,
+        num_threads: int = 2,
+        cache_bytes: int = 256 * 2**20,
+    ):
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))
+        self.compiler = xgr.GrammarCompiler(info, max_threads=num_threads, cache_limit_bytes=cache_bytes)
+        self.timeout_s = timeout_s
+        # a compile past the bound keeps its thread until it ends: xgrammar cannot be interrupted
+        self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="grammar")
+
+    def compile(self, spec: StructuredOutputs) -> xgr.CompiledGrammar:
+        """The grammar of ``spec``; raises ``GrammarError`` naming ``spec.param``. Blocking: call it
+        from a worker thread."""
+        for where, schema in _schemas_of(spec):
+            check_schema(schema, where)
+        future = self._pool.submit(self._compile, spec)
+        try:
+            return future.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            raise GrammarError(f"grammar compilation exceeded {self.timeout_s} s", spec.param) from None
+        except (RuntimeError, ValueError, TypeError) as exc:
+            reason = _LOCATION.sub("", str(exc).strip())
+            raise GrammarError(f"'{spec.param}' cannot be compiled into a grammar: {reason}", spec.param) from None
+
+    def _compile(self, spec: StructuredOutputs) -> xgr.CompiledGrammar:
+        c, v = self.compiler, spec.value
+        if spec.kind == "json":
+            grammar = xgr.Grammar.from_json_schema(v if isinstance(v, str) else json.dumps(v), any_whitespace=False)
+            return c.compile_grammar(_no_control_characters(grammar))
+        if spec.kind == "json_object":  # an object, as OpenAI's json_object promises (not any JSON value)
+            return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
+        if spec.kind == "regex":
+            return c.compile_regex(v)
+        if spec.kind == "choice":
+            return c.compile_grammar(choice_ebnf(v))
+        if spec.kind == "grammar":
+            return c.compile_grammar(v)
+        grammar = xgr.Grammar.from_structural_tag(v if isinstance(v, str) else json.dumps(v))
+        return c.compile_grammar(_no_control_characters(grammar))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+# xgrammar 0.2.9 writes a length-bounded JSON string's characters as this class, which lets raw
+# control characters through (invalid JSON); its unbounded strings already exclude them
+_BOUNDED_STRING_CHARACTER = r"[^\"\\\r\n]"
+_JSON_STRING_CHARACTER = r"[^\0-\x1f\"\\]"
+
+
+def _no_control_characters(grammar: xgr.Grammar) -> str:
+    return str(grammar).replace(_BOUNDED_STRING_CHARACTER, _JSON_STRING_CHARACTER)
+
+
+def choice_ebnf(choices: Sequence[str]) -> str:
+    """A grammar whose language is exactly ``choices`` (JSON string escapes are EBNF's too)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _schemas_of(spec: StructuredOutputs) -> Iterator[tuple[str, Any]]:
+    """The JSON schemas inside ``spec``, each with the field to name if it is refused."""
+    if spec.kind == "json":
+        schema = spec.value
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as exc:
+                raise GrammarError(f"'{spec.param}' is not valid JSON: {exc}", spec.param) from None
+        yield spec.param, schema
+    elif spec.kind == "structural_tag":
+        yield from ((spec.param, s) for s in _tag_schemas(spec.value))
+
+
+def _tag_schemas(node: Any) -> Iterator[Any]:
+    if isinstance(node, dict):
+        if node.get("type") == "json_schema":
+            yield node.get("json_schema")
+        for value in node.values():
+            yield from _tag_schemas(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _tag_schemas(value)
+
+
+def check_schema(schema: Any, param: str, path: str = "") -> None:
+    """Refuse a schema that uses a feature the grammar cannot enforce, naming the feature and where."""
+    if isinstance(schema, bool):
+        return
+    if not isinstance(schema, dict):
+        raise GrammarError(f"'{param}{path}' must be a JSON schema object", param)
+    for key in UNSUPPORTED_KEYWORDS:
+        if key in schema:
+            raise _unsupported(param, path, key)
+    if schema.get("uniqueItems"):
+        raise _unsupported(param, path, "uniqueItems")
+    if "multipleOf" in schema and schema.get("type") != "integer":
+        raise _unsupported(param, path, "multipleOf (supported on integers only)")
+    if len(schema.get("allOf") or ()) > 1:
+        raise _unsupported(param, path, "allOf with more than one schema")
+    ref = schema.get("$ref")
+    if ref is not None and not str(ref).startswith("#"):
+        raise _unsupported(param, path, f"$ref to another document ({ref})")
+    for key in _SUBSCHEMA_MAPS:
+        for name, sub in (schema.get(key) or {}).items():
+            check_schema(sub, param, f"{path}.{key}.{name}")
+    for key in _SUBSCHEMA_LISTS:
+        for i, sub in enumerate(schema.get(key) or ()):
+            check_schema(sub, param, f"{path}.{key}.{i}")
+    for key in _SUBSCHEMAS:
+        if key in schema:
+            check_schema(schema[key], param, f"{path}.{key}")
+
+
+def _unsupported(param: str, path: str, feature: str) -> GrammarError:
+    where = f" at '{path.lstrip('.')}'" if path else ""
+    return GrammarError(f"'{param}' uses the JSON Schema feature {feature}{where}, which is not supported", param)
+
+
+# in the worker thread, each step
+
+
+def apply_masks(logits: Any, matchers: Sequence[xgr.GrammarMatcher | None]) -> list[int]:
+    """Mask, in place, the tokens each constrained row's grammar forbids next; returns those rows.
+    Only rows with a matcher get a bitmask filled; the others are left untouched."""
+    rows = [i for i, m in enumerate(matchers) if m is not None]
+    if not rows:
+        return rows
+    bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])
+    for i in rows:
+        matchers[i].fill_next_token_bitmask(bitmask, i)
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
+    return rows
+
+
+def accept_tokens(matchers: Sequence[xgr.GrammarMatcher | None], rows: list[int], token_ids: list[int]) -> list[int]:
+    """Advance each constrained row's grammar by its sampled token; returns the rows it rejected."""
+    return [i for i in rows if not matchers[i].accept_token(token_ids[i])]
