@@ -399,9 +399,11 @@ async def test_tools_are_rendered_into_the_prompt(templated, tokenizer):
     tokenized = await post(client, "/tokenize", {"messages": body["messages"], "tools": [WEATHER_TOOL]})
     assert tokenized["count"] == with_tools["usage"]["prompt_tokens"]
     assert f"get_weather: {json.dumps(WEATHER_TOOL)}" in tokenizer.decode(tokenized["tokens"])
+    # a named tool choice is enforced by a grammar over the tool-call format, which this template lacks
     named = {"type": "function", "function": {"name": "get_weather"}}
-    forced = await post(client, "/v1/chat/completions", {**body, "tools": [WEATHER_TOOL], "tool_choice": named})
-    assert forced["usage"]["prompt_tokens"] == with_tools["usage"]["prompt_tokens"]
+    body_named = {**body, "tools": [WEATHER_TOOL], "tool_choice": named}
+    forced = await post(client, "/v1/chat/completions", body_named, status=400)
+    assert forced["error"]["param"] == "tool_choice"
     # tool_choice "none": the tools are left out of the prompt
     none = await post(client, "/v1/chat/completions", {**body, "tools": [WEATHER_TOOL], "tool_choice": "none"})
     assert none["usage"]["prompt_tokens"] == without
@@ -718,7 +720,11 @@ async def test_invalid_body_names_the_field(client):
         {"messages": [{"role": "user", "content": "hi"}], "stop_token_ids": [-1]},
         {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"99999999999999999999": 1}},
         {"messages": [{"role": "user", "content": "hi"}], "continue_final_message": True},
-        {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+        {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema"}},
+        {"messages": [{"role": "user", "content": "hi"}], "guided_json": "{not json"},
+        {"messages": [{"role": "user", "content": "hi"}], "structured_outputs": {"choice": "not a list"}},
+        {"messages": [{"role": "user", "content": "hi"}], "response_format": "json"},
+        {"prompt": "a", "guided_regex": "("},
         {"messages": [{"role": "user", "content": "hi"}], "frequency_penalty": float("nan")},
         {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
         {"prompt": []},
