@@ -17,6 +17,7 @@ import jsonschema
 import openai
 import pydantic
 import pytest
+import xgrammar as xgr
 from support import scripted, served_over_http
 
 from atom_anyio.api.app import AtomApp
@@ -211,6 +212,19 @@ async def test_n_choices_each_follow_the_grammar(atom):
 async def test_a_finished_grammar_ends_the_output_even_with_ignore_eos(atom):
     out = await chat(atom, guided_choice=["done"], ignore_eos=True, max_tokens=50)
     assert text_of(out) == "done" and out["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_min_tokens_does_not_hold_a_finished_grammar_open(atom):
+    out = await chat(atom, guided_choice=["ok"], min_tokens=10, max_tokens=20)
+    assert text_of(out) == "ok" and out["choices"][0]["finish_reason"] == "stop"
+
+
+def test_bounded_json_strings_exclude_raw_control_characters(tiny_model):
+    grammars = Grammars(tiny_model.tokenizer, tiny_model.config.vocab_size, [2])
+    grammar = grammars.compile(StructuredOutputs("json", {"type": "string", "maxLength": 5}))
+    assert xgr.GrammarMatcher(grammar).accept_string('"ab"')
+    assert not xgr.GrammarMatcher(grammar).accept_string('"a\x11')  # json.loads refuses it
+    assert not xgr.GrammarMatcher(grammar).accept_string('"a\n')
 
 
 async def test_streamed_constrained_output_joins_to_valid_json(atom):

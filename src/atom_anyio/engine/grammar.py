@@ -8,6 +8,7 @@ runs one ``GrammarMatcher`` per sequence (see ``Worker`` for the masks).
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Iterator, Sequence
@@ -99,8 +100,7 @@ class Grammars:
     def _compile(self, spec: StructuredOutputs) -> xgr.CompiledGrammar:
         c, v = self.compiler, spec.value
         if spec.kind == "json":
-            grammar = xgr.Grammar.from_json_schema(v if isinstance(v, str) else json.dumps(v), any_whitespace=False)
-            return c.compile_grammar(_no_control_characters(grammar))
+            return c.compile_grammar(_json_schema_ebnf(v if isinstance(v, str) else json.dumps(v)))
         if spec.kind == "json_object":  # an object, as OpenAI's json_object promises (not any JSON value)
             return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
         if spec.kind == "regex":
@@ -109,8 +109,7 @@ class Grammars:
             return c.compile_grammar(choice_ebnf(v))
         if spec.kind == "grammar":
             return c.compile_grammar(v)
-        grammar = xgr.Grammar.from_structural_tag(v if isinstance(v, str) else json.dumps(v))
-        return c.compile_grammar(_no_control_characters(grammar))
+        return c.compile_grammar(_structural_tag_ebnf(v if isinstance(v, str) else json.dumps(v)))
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -124,6 +123,17 @@ _JSON_STRING_CHARACTER = r"[^\0-\x1f\"\\]"
 
 def _no_control_characters(grammar: xgr.Grammar) -> str:
     return str(grammar).replace(_BOUNDED_STRING_CHARACTER, _JSON_STRING_CHARACTER)
+
+
+# schema text -> EBNF, in front of the compiler's cache (keyed by the EBNF): a repeated schema skips the conversion
+@functools.lru_cache(maxsize=1024)
+def _json_schema_ebnf(schema: str) -> str:
+    return _no_control_characters(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
+
+
+@functools.lru_cache(maxsize=1024)
+def _structural_tag_ebnf(tag: str) -> str:
+    return _no_control_characters(xgr.Grammar.from_structural_tag(tag))
 
 
 def choice_ebnf(choices: Sequence[str]) -> str:

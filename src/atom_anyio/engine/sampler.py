@@ -58,7 +58,12 @@ def process_logits(logits: torch.Tensor, inputs: SamplingInputs) -> torch.Tensor
     """Applies logit_bias, min_tokens, then repetition, frequency and presence
     penalties. Returns ``logits`` itself when no row needs any of them, else a copy."""
     params = inputs.params
-    under_min = [i for i, p in enumerate(params) if len(inputs.output_token_ids[i]) < p.min_tokens]
+    # a grammar decides itself when its output may end: min_tokens does not hold back its end token
+    under_min = [
+        i
+        for i, p in enumerate(params)
+        if len(inputs.output_token_ids[i]) < p.min_tokens and not (inputs.matchers and inputs.matchers[i] is not None)
+    ]
     has_bias = any(p.logit_bias for p in params)
     has_penalty = any(_has_penalty(p) for p in params)
     if not (has_bias or under_min or has_penalty):
