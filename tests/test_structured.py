@@ -246,10 +246,12 @@ async def test_streamed_constrained_output_joins_to_valid_json(atom):
     ("body", "param", "needle"),
     [
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}},
-         "response_format.json_schema.schema", "not"),
-        ({"guided_json": {"type": "array", "uniqueItems": True}}, "guided_json", "uniqueItems"),
+         "response_format.json_schema.schema", "keyword 'not'"),
+        ({"guided_json": {"type": "array", "uniqueItems": True}}, "guided_json", "'uniqueItems'"),
+        ({"guided_json": {"type": "number", "multipleOf": 0.5}}, "guided_json", "'multipleOf' on a non-integer"),
+        ({"guided_json": {"$ref": "https://example.com/s.json"}}, "guided_json", "'$ref' to another document"),
         ({"structured_outputs": {"json": {"type": "object", "properties": {"a": {"if": {}}}}}},
-         "structured_outputs.json", "if at 'properties.a'"),
+         "structured_outputs.json", "'if' at 'properties.a'"),
         ({"guided_regex": "(?<=a)b"}, "guided_regex", "Lookbehind"),
         ({"guided_grammar": "root ::= x"}, "guided_grammar", "not defined"),
         ({"guided_choice": []}, "guided_choice", "non-empty"),
@@ -280,7 +282,15 @@ async def test_responses_and_messages_refuse_in_their_own_shapes(qwen):
         "tool_choice": {"type": "any"},
     }
     status, out = await post(qwen, "/v1/messages", body)
-    assert status == 400 and out["type"] == "error" and "not" in out["error"]["message"], out
+    assert status == 400 and out["type"] == "error", out
+    assert out["error"]["type"] == "invalid_request_error" and "'not' at 'properties.a'" in out["error"]["message"]
+
+
+async def test_a_forced_tool_with_an_unsupported_parameters_schema_is_a_400_naming_tools(qwen):
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "if": {}}}}
+    body = {"messages": USER, "tools": [tool], "tool_choice": "required"}
+    status, out = await post(qwen, "/v1/chat/completions", body)
+    assert status == 400 and out["error"]["param"] == "tools" and "'if'" in out["error"]["message"], out
 
 
 async def test_compile_over_the_time_bound_is_a_400(tiny_model):

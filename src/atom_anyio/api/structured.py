@@ -116,4 +116,7 @@ def forced_tools(
         if not tools:
             raise bad(param, f"{forced!r} is not one of the request's tools")
         parallel = False
-    return StructuredOutputs("structural_tag", forced_tool_calls_tag(spec.tool_format, tools, parallel=parallel), param)
+    # a compile error is in a tool's parameters schema
+    return StructuredOutputs(
+        "structural_tag", forced_tool_calls_tag(spec.tool_format, tools, parallel=parallel), "tools"
+    )

@@ -178,12 +178,12 @@ def check_schema(schema: Any, param: str, path: str = "") -> None:
     if schema.get("uniqueItems"):
         raise _unsupported(param, path, "uniqueItems")
     if "multipleOf" in schema and schema.get("type") != "integer":
-        raise _unsupported(param, path, "multipleOf (supported on integers only)")
+        raise _unsupported(param, path, "multipleOf", " on a non-integer")
     if len(schema.get("allOf") or ()) > 1:
-        raise _unsupported(param, path, "allOf with more than one schema")
+        raise _unsupported(param, path, "allOf", " of more than one schema")
     ref = schema.get("$ref")
     if ref is not None and not str(ref).startswith("#"):
-        raise _unsupported(param, path, f"$ref to another document ({ref})")
+        raise _unsupported(param, path, "$ref", f" to another document ({ref})")
     for key in _SUBSCHEMA_MAPS:
         for name, sub in (schema.get(key) or {}).items():
             check_schema(sub, param, f"{path}.{key}.{name}")
@@ -195,9 +195,12 @@ def check_schema(schema: Any, param: str, path: str = "") -> None:
             check_schema(schema[key], param, f"{path}.{key}")
 
 
-def _unsupported(param: str, path: str, feature: str) -> GrammarError:
+def _unsupported(param: str, path: str, keyword: str, detail: str = "") -> GrammarError:
     where = f" at '{path.lstrip('.')}'" if path else ""
-    return GrammarError(f"'{param}' uses the JSON Schema feature {feature}{where}, which is not supported", param)
+    return GrammarError(
+        f"'{param}' uses the JSON Schema keyword '{keyword}'{detail}{where}, which the grammar engine cannot enforce",
+        param,
+    )
 
 
 # in the worker thread, each step
