@@ -135,19 +135,33 @@ SCHEMAS = [random_object(random.Random(i), depth=2) for i in range(48)] + [
 
 
 def schema_request(i: int, schema: dict) -> tuple[str, dict]:
-    """Alternate the ways to ask: chat response_format, chat structured_outputs, completions guided_json."""
+    """Rotate the ways to ask: chat response_format, chat structured_outputs, completions guided_json,
+    Responses text.format."""
     sampling = {"temperature": 1.0, "seed": i, "max_tokens": MAX_TOKENS}
-    if i % 3 == 0:
+    if i % 4 == 0:
         fmt = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema, "strict": True}}
         return "/v1/chat/completions", {"messages": USER, "response_format": fmt, **sampling}
-    if i % 3 == 1:
+    if i % 4 == 1:
         return "/v1/chat/completions", {"messages": USER, "structured_outputs": {"json": schema}, **sampling}
-    return "/v1/completions", {"prompt": f"Item {i}:", "guided_json": schema, **sampling}
+    if i % 4 == 2:
+        return "/v1/completions", {"prompt": f"Item {i}:", "guided_json": schema, **sampling}
+    fmt = {"type": "json_schema", "name": f"s{i}", "schema": schema, "strict": True}
+    return "/v1/responses", {"input": "Answer.", "text": {"format": fmt}, "temperature": 1.0, "max_output_tokens": 400}
 
 
 def text_of(out: dict) -> str:
+    if "output" in out:  # a Response
+        return "".join(part["text"] for item in out["output"] for part in item["content"])
     choice = out["choices"][0]
     return choice["message"]["content"] if "message" in choice else choice["text"]
+
+
+def finish_of(out: dict) -> str:
+    return (
+        {"completed": "stop"}.get(out["status"], out["status"])
+        if "output" in out
+        else out["choices"][0]["finish_reason"]
+    )
 
 
 async def test_fifty_schemas_sampled_at_temperature_one_all_validate(atom):
@@ -163,7 +177,7 @@ async def test_fifty_schemas_sampled_at_temperature_one_all_validate(atom):
     for i, schema in enumerate(SCHEMAS):
         status, out = results[i]
         assert status == 200, out
-        assert out["choices"][0]["finish_reason"] == "stop", (i, out)
+        assert finish_of(out) == "stop", (i, out)
         jsonschema.validate(json.loads(text_of(out)), schema)
 
 
@@ -376,8 +390,15 @@ async def test_responses_and_messages_force_tool_calls(qwen):
     }
     status, out = await post(qwen, "/v1/messages", body)
     assert status == 200 and out["stop_reason"] == "tool_use", out
-    for block in [b for b in out["content"] if b["type"] == "tool_use"]:
+    uses = [b for b in out["content"] if b["type"] == "tool_use"]
+    assert uses
+    for block in uses:
         jsonschema.validate(block["input"], SCHEMA_OF[block["name"]])
+    status, out = await post(qwen, "/v1/messages", {**body, "tool_choice": {"type": "tool", "name": "get_time"}})
+    assert status == 200 and out["stop_reason"] == "tool_use", out
+    uses = [b for b in out["content"] if b["type"] == "tool_use"]
+    assert [b["name"] for b in uses] == ["get_time"]
+    jsonschema.validate(uses[0]["input"], TIME)
 
 
 @pytest.mark.parametrize("tool_format", ["hermes", "llama3_json", "mistral"])
