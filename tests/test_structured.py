@@ -478,6 +478,20 @@ async def test_constrained_greedy_output_is_the_same_alone_batched_and_preempted
         jsonschema.validate(json.loads(text), schema)
 
 
+async def test_unconstrained_rows_batched_with_constrained_ones_are_untouched(tiny_model):
+    grammars = Grammars(tiny_model.tokenizer, tiny_model.config.vocab_size, [2])
+    constraint = Constraint(grammars.compile(StructuredOutputs("choice", ["yes", "no"])))
+    prompts = [tiny_model.tokenizer.encode(f"line {i} " * (2 + i)) for i in range(6)]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    cfg = EngineConfig(max_model_len=512, kv_cache_gib=0.01)
+    free = await generate(Engine(tiny_model, cfg), [(p, greedy, None) for p in prompts])
+    mixed = await generate(
+        Engine(tiny_model, cfg), [(p, greedy, constraint if i % 2 else None) for i, p in enumerate(prompts)]
+    )
+    assert [m for i, m in enumerate(mixed) if i % 2 == 0] == [f for i, f in enumerate(free) if i % 2 == 0]
+    assert all(m[0] in ("yes", "no") and m[1] == "stop" for i, m in enumerate(mixed) if i % 2)
+
+
 # the official OpenAI SDK against real hypercorn
 
 
