@@ -228,6 +228,18 @@ async def test_a_finished_grammar_ends_the_output_even_with_ignore_eos(atom):
     assert text_of(out) == "done" and out["choices"][0]["finish_reason"] == "stop"
 
 
+async def test_logprobs_of_masked_tokens_are_finite_json(atom):
+    r = await atom.quart.test_client().post(
+        "/v1/chat/completions",
+        json={"messages": USER, "guided_choice": ["yes", "no"], "logprobs": True, "top_logprobs": 8, "temperature": 0},
+    )
+    body = await r.get_data(as_text=True)
+    assert r.status_code == 200 and "Infinity" not in body
+    content = json.loads(body)["choices"][0]["logprobs"]["content"]
+    # the grammar allows fewer than five tokens at every step: the rest of each top eight is masked
+    assert all(-9999.0 in [t["logprob"] for t in c["top_logprobs"]] for c in content)
+
+
 async def test_min_tokens_does_not_hold_a_finished_grammar_open(atom):
     out = await chat(atom, guided_choice=["ok"], min_tokens=10, max_tokens=20)
     assert text_of(out) == "ok" and out["choices"][0]["finish_reason"] == "stop"

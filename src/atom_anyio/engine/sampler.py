@@ -12,6 +12,7 @@ from atom_anyio.engine.sequence import Logprob
 from atom_anyio.sampling_params import SamplingParams
 
 _SEED_MASK = 0xFFFF_FFFF_FFFF
+MIN_LOGPROB = -9999.0
 
 
 @dataclass
@@ -190,7 +191,8 @@ def _to_output(raw: torch.Tensor, token_ids: torch.Tensor, params: list[Sampling
     top_values, top_ids = logprobs.topk(max(params[i].logprobs for i in rows), dim=-1)
     # one copy of ids and one of values: row j is [chosen, top...]
     ids = torch.cat([token_ids, top_ids.flatten()]).tolist()
-    values = torch.cat([chosen.unsqueeze(1), top_values], dim=1).tolist()
+    # a masked token's -inf has no JSON form: reported as -9999.0, as OpenAI and vLLM do
+    values = torch.cat([chosen.unsqueeze(1), top_values], dim=1).clamp_min(MIN_LOGPROB).tolist()
     top_ids_list = ids[len(params) :]
     width = top_values.shape[1]
     out: list[Logprob | None] = [None] * len(params)
