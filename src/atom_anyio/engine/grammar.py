@@ -126,12 +126,12 @@ def _no_control_characters(grammar: xgr.Grammar) -> str:
 
 
 # schema text -> EBNF, in front of the compiler's cache (keyed by the EBNF): a repeated schema skips the conversion
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=256)
 def _json_schema_ebnf(schema: str) -> str:
     return _no_control_characters(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=256)
 def _structural_tag_ebnf(tag: str) -> str:
     return _no_control_characters(xgr.Grammar.from_structural_tag(tag))
 
