@@ -28,19 +28,19 @@ def messages_blueprint(server: Server) -> Blueprint:
     async def messages() -> Any:
         req = await parse_body(MessagesRequest)
         server.check_model(req.model)
-        admission = server.admit()
+        admission = server.admit("messages")
         try:
             prepared = await server.prepare(req.prompt_request(req.max_tokens))
             encoder = MessageEncoder(server, req, prepared)
             keeps_special = req.parses_tools and server.parser_spec.keeps_special_tokens
-            stream = server.submit(prepared, req.sampling_params(prepared.max_tokens, keeps_special))
+            stream = server.submit(prepared, req.sampling_params(prepared.max_tokens, keeps_special), admission)
         except BaseException:
             admission.release()
             raise
         if req.stream:
             events = encoder.stream(stream)
-            return sse_response(server.stream_events("messages", events, encoder.usage, admission, error_event))
-        return await server.json_response("messages", encoder.response(stream), encoder.usage, admission)
+            return sse_response(server.stream_events(events, encoder.usage, admission, error_event))
+        return await server.json_response(encoder.response(stream), encoder.usage, admission)
 
     @bp.post("/v1/messages/count_tokens")
     async def count_tokens() -> Any:

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ValidationError
 from quart import Response, request
 
 from atom_anyio.api.errors import APIError, from_validation_error
+from atom_anyio.api.limits import check_body, depth_error
 from atom_anyio.engine.sequence import Delta, Logprob
 
 M = TypeVar("M", bound=BaseModel)
@@ -30,12 +31,15 @@ async def parse_body(model: type[M]) -> M:
         body = json.loads(raw)
     except UnicodeDecodeError:
         raise APIError(400, "The request body is not valid UTF-8.", code="invalid_json") from None
+    except RecursionError:
+        raise depth_error() from None
     except json.JSONDecodeError as exc:
         raise APIError(
             400, f"The request body is not valid JSON: {exc.msg} at position {exc.pos}", code="invalid_json"
         ) from None
     if not isinstance(body, dict):
         raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
+    check_body(body)
     try:
         return model.model_validate(body)
     except ValidationError as exc:

@@ -40,18 +40,18 @@ def responses_blueprint(server: Server) -> Blueprint:
             max_tokens=req.max_output_tokens,
             truncation=req.truncation,
         )
-        admission = server.admit()
+        admission = server.admit("responses")
         try:
             prepared = await _prepare(server, prompt)
             encoder = ResponseEncoder(server, req, tools, prepared, store, history + new_items)
-            stream = server.submit(prepared, _sampling_params(server, req, prepared))
+            stream = server.submit(prepared, _sampling_params(server, req, prepared), admission)
         except BaseException:
             admission.release()
             raise
         if req.stream:
             events = encoder.sse(stream)
-            return sse_response(server.stream_events("responses", events, encoder.usage, admission, encoder.error))
-        return await server.json_response("responses", encoder.run(stream), encoder.usage, admission)
+            return sse_response(server.stream_events(events, encoder.usage, admission, encoder.error))
+        return await server.json_response(encoder.run(stream), encoder.usage, admission)
 
     @bp.get("/v1/responses/<response_id>")
     async def retrieve(response_id: str) -> Any:

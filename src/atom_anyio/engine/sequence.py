@@ -5,15 +5,15 @@ from __future__ import annotations
 import enum
 import itertools
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from atom_anyio.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from anyio.streams.memory import MemoryObjectSendStream
-
     from atom_anyio.engine.detokenizer import IncrementalDetokenizer
+    from atom_anyio.engine.stream import DeltaSender
 
 
 class Status(enum.Enum):
@@ -49,6 +49,12 @@ class Delta:
 
 
 _seq_ids = itertools.count()
+_alive: weakref.WeakSet[Sequence] = weakref.WeakSet()
+
+
+def num_alive() -> int:
+    """Sequence objects not yet collected (0 when the server is idle: nothing keeps finished ones)."""
+    return len(_alive)
 
 
 class Sequence:
@@ -59,7 +65,7 @@ class Sequence:
         self,
         token_ids: list[int],
         params: SamplingParams,
-        stream: MemoryObjectSendStream[Delta],
+        stream: DeltaSender,
         detokenizer: IncrementalDetokenizer,
         block_hashes: list[int],
         index: int = 0,
@@ -85,6 +91,7 @@ class Sequence:
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.extra: dict[str, Any] = {}
+        _alive.add(self)
 
     def __len__(self) -> int:
         return len(self.token_ids)
