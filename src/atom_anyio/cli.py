@@ -98,7 +98,9 @@ async def serve(app) -> int:
         async def on_signal() -> None:
             with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 async for _ in signals:
-                    tg.cancel_scope.cancel()
+                    break
+            await app.server.drain()  # 503 to new requests while the listener stays open
+            tg.cancel_scope.cancel()
 
         async def on_crash() -> None:
             nonlocal crashed

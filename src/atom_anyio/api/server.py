@@ -108,6 +108,7 @@ class Server:
         self.num_preparing_seqs = 0  # admitted, not yet submitted: waiting too
         self._idle: anyio.Event | None = None
         self.engine_crashed: anyio.Event | None = None
+        self._engine_scope = anyio.CancelScope()
         self.started_at = time.time()
 
     @property
@@ -160,10 +161,8 @@ class Server:
             try:
                 yield self
             finally:
-                self.is_admitting = False
-                with anyio.move_on_after(cfg.drain_timeout_s, shield=True):
-                    while self.num_in_flight:
-                        await self._idle.wait()
+                with anyio.CancelScope(shield=True):
+                    await self.drain()
                 gc_timer.remove()
                 gc.unfreeze()
                 tg.cancel_scope.cancel()
@@ -197,9 +196,28 @@ class Server:
         tearing the process down mid-response (the CLI exits non-zero on it)."""
         assert self.engine is not None and self.engine_crashed is not None
         try:
-            await self.engine.run(task_status=task_status)
+            with self._engine_scope:
+                await self.engine.run(task_status=task_status)
         except Exception:
             self.engine_crashed.set()
+
+    async def drain(self) -> None:
+        """Stop admitting (503), let in-flight requests finish within the
+        drain timeout, then stop the engine so the rest end with an error
+        (an SSE error event or a 500 body). Idempotent."""
+        self.is_admitting = False
+        if await self._wait_idle(self.config.drain_timeout_s) or self.engine is None:
+            return
+        log.warning("server.drain_timeout", num_in_flight=self.num_in_flight, timeout_s=self.config.drain_timeout_s)
+        self.engine.error = f"the server shut down (drain timeout of {self.config.drain_timeout_s} s)"
+        self._engine_scope.cancel()
+        await self._wait_idle(5.0)  # their error events go out
+
+    async def _wait_idle(self, timeout: float) -> bool:
+        with anyio.move_on_after(timeout):
+            while self.num_in_flight:
+                await self._idle.wait()
+        return not self.num_in_flight
 
     # per request
 

@@ -165,7 +165,7 @@ class Engine:
             if not isinstance(exc, anyio.get_cancelled_exc_class()) and self.error is None:
                 self.error = f"engine loop crashed: {type(exc).__name__}: {exc}"
                 log.exception("engine.crashed")
-            elif self.error is not None:
+            elif self.error is not None and not isinstance(exc, anyio.get_cancelled_exc_class()):
                 log.error("engine.unhealthy", error=self.error)
             raise
         finally:
