@@ -6,18 +6,24 @@ an event) stands in for a busy device."""
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import random
+import signal
+import subprocess
+import sys
 import threading
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import anyio
+import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from support import wait_until
+from support import free_port, wait_until
+from test_e2e import Served, clean_env, wait_ready
 
 import atom_anyio.api.server as server_module
 from atom_anyio.api import limits
@@ -494,3 +500,67 @@ async def test_cors_answers_allowed_origins_only(tiny_model):
         assert ok.status_code == 200 and ok.headers["Access-Control-Allow-Origin"] == "https://b.example"
         bad = await client.get("/v1/models", headers={"Origin": "https://evil.example", "Authorization": "Bearer k"})
         assert bad.status_code == 200 and "Access-Control-Allow-Origin" not in bad.headers
+
+
+# SIGTERM under load, as real processes
+
+
+@pytest.mark.parametrize("runner", ["hypercorn", "serve"])
+async def test_sigterm_under_load_drains_in_flight_streams_and_exits_zero(tiny_model_dir, tmp_path, runner):
+    port = free_port()
+    env = clean_env(model=str(tiny_model_dir), max_model_len="2048", kv_cache_gib="0.05", drain_timeout_s="30")
+    if runner == "hypercorn":  # hypercorn's own graceful timeout bounds the drain there
+        cmd = [
+            sys.executable,
+            "-m",
+            "hypercorn",
+            "atom_anyio:app",
+            "-b",
+            f"127.0.0.1:{port}",
+            "--graceful-timeout",
+            "30",
+        ]
+    else:
+        cmd = [sys.executable, "-m", "atom_anyio.cli", "serve", f"--port={port}"]
+    log_path = tmp_path / "server.log"
+    served = Served(f"http://127.0.0.1:{port}", log_path)
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        await anyio.to_thread.run_sync(wait_ready, proc, served)
+        bodies: list[str] = []
+        async with httpx.AsyncClient(base_url=served.url, timeout=60) as http:
+            started = 0
+
+            async def stream(i: int) -> None:
+                nonlocal started
+                body = chat(
+                    f"story {i}", max_tokens=120, ignore_eos=True, stream=True, stream_options={"include_usage": True}
+                )
+                async with http.stream("POST", "/v1/chat/completions", json=body) as r:
+                    text = ""
+                    async for chunk in r.aiter_text():
+                        if not text:
+                            started += 1
+                        text += chunk
+                bodies.append(text)
+
+            async with anyio.create_task_group() as tg:
+                for i in range(4):
+                    tg.start_soon(stream, i)
+                await wait_until(lambda: started == 4)
+                proc.send_signal(signal.SIGTERM)
+                if runner == "serve":  # the listener stays open while draining: new requests get 503
+                    r = await http.post("/v1/chat/completions", json=chat(max_tokens=1))
+                    assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+        rc = await anyio.to_thread.run_sync(functools.partial(proc.wait, timeout=60))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert rc == 0, served.log()
+    assert len(bodies) == 4
+    for body in bodies:
+        assert body.endswith("data: [DONE]\n\n"), body[-300:]
+        usage = json.loads(body.split("\n\n")[-3].removeprefix("data: "))["usage"]
+        assert usage["completion_tokens"] == 120
