@@ -43,6 +43,7 @@ class EngineCollector(Collector):
         yield GaugeMetricFamily(
             "atom_kv_cache_blocks_free", "Free KV blocks (cached ones included)", value=bm.num_free_blocks
         )
+        yield GaugeMetricFamily("atom_kv_cache_blocks_total", "KV blocks in the pool", value=bm.num_blocks)
         yield CounterMetricFamily(
             "atom_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", value=bm.num_hit_tokens
         )
