@@ -31,7 +31,8 @@ MAX_TOKENS = 24
 
 
 def prompt(i: int) -> str:
-    return f"Request {i % NUM_PROMPTS}: " + " ".join(WORDS[(i * 7 + k) % len(WORDS)] for k in range(40))
+    j = i % NUM_PROMPTS
+    return f"Request {j}: " + " ".join(WORDS[(j * 7 + k) % len(WORDS)] for k in range(40))
 
 
 def request(i: int, model: str) -> tuple[str, dict]:
@@ -71,7 +72,13 @@ async def run(url: str, args: argparse.Namespace) -> dict:
             statuses[f"{kind} {r.status_code}"] += 1
             if r.status_code == 200:
                 latencies.append(elapsed)
-                wrong += text_of(path, r.json()) != reference[path, i % NUM_PROMPTS]
+                got, want = text_of(path, r.json()), reference[path, i % NUM_PROMPTS]
+                if got != want and not wrong:
+                    print(
+                        f"first wrong output ({path}, prompt {i % NUM_PROMPTS}):\n  got  {got!r}\n  want {want!r}",
+                        file=sys.stderr,
+                    )
+                wrong += got != want
             elif r.status_code in (503, 529):
                 assert "Retry-After" in r.headers
             else:
