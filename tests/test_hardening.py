@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import gc
 import json
+import os
 import random
 import signal
 import subprocess
@@ -22,12 +23,13 @@ import anyio
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from support import free_port, wait_until
+from support import free_port, wait_healthy, wait_until
 from test_e2e import Served, clean_env, wait_ready
 
 import atom_anyio.api.server as server_module
 from atom_anyio.api import limits
 from atom_anyio.api.app import AtomApp
+from atom_anyio.cli import serve as cli_serve
 from atom_anyio.config import Config
 from atom_anyio.engine.config import EngineConfig
 from atom_anyio.engine.loop import Engine
@@ -564,3 +566,35 @@ async def test_sigterm_under_load_drains_in_flight_streams_and_exits_zero(tiny_m
         assert body.endswith("data: [DONE]\n\n"), body[-300:]
         usage = json.loads(body.split("\n\n")[-3].removeprefix("data: "))["usage"]
         assert usage["completion_tokens"] == 120
+
+
+async def test_a_body_that_arrives_too_slowly_is_a_408(tiny_model):
+    async with serve(tiny_model, body_timeout_s=0.2) as atom:
+        client = atom.quart.test_client()
+        async with client.request("/v1/chat/completions", method="POST", headers=JSON) as conn:
+            await conn.send(b'{"messages": [')  # and nothing more
+            with anyio.fail_after(10):
+                data = b""
+                while b"}" not in data:
+                    data += await conn.receive()
+        assert conn.status_code == 408 and json.loads(data)["error"]["code"] == "request_timeout"
+        assert atom.server.num_in_flight == 0
+
+
+async def test_serve_closes_a_connection_whose_request_head_never_completes(tiny_model):
+    port = free_port()
+    atom = AtomApp(Config(kv_cache_gib=0.05, port=port, keep_alive_timeout_s=0.5), loaded=tiny_model)
+    code: list[int] = []
+
+    async def run() -> None:
+        code.append(await cli_serve(atom))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run)
+        await wait_healthy(f"http://127.0.0.1:{port}")
+        async with await anyio.connect_tcp("127.0.0.1", port) as sock:
+            await sock.send(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-")  # and nothing more
+            with anyio.fail_after(10), pytest.raises((anyio.EndOfStream, anyio.BrokenResourceError)):
+                await sock.receive()
+        os.kill(os.getpid(), signal.SIGTERM)  # the serve loop's handler: drain, then exit 0
+    assert code == [0]
