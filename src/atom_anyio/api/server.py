@@ -108,7 +108,8 @@ class Server:
         self.num_preparing_seqs = 0  # admitted, not yet submitted: waiting too
         self._idle: anyio.Event | None = None
         self.engine_crashed: anyio.Event | None = None
-        self._engine_scope = anyio.CancelScope()
+        self._engine_scope: anyio.CancelScope | None = None
+        self._is_drained = False
         self.started_at = time.time()
 
     @property
@@ -151,6 +152,7 @@ class Server:
         self._idle = anyio.Event()
         self.engine_crashed = anyio.Event()
         gc_timer = GCTimer(self.metrics.gc_pause)
+        self._engine_scope, self._is_drained = anyio.CancelScope(), False
         async with anyio.create_task_group() as tg:
             await tg.start(self._run_engine)
             await self._warm_up()
@@ -206,12 +208,14 @@ class Server:
         drain timeout, then stop the engine so the rest end with an error
         (an SSE error event or a 500 body). Idempotent."""
         self.is_admitting = False
-        if await self._wait_idle(self.config.drain_timeout_s) or self.engine is None:
+        if self._is_drained or self.engine is None:
             return
-        log.warning("server.drain_timeout", num_in_flight=self.num_in_flight, timeout_s=self.config.drain_timeout_s)
-        self.engine.error = f"the server shut down (drain timeout of {self.config.drain_timeout_s} s)"
-        self._engine_scope.cancel()
-        await self._wait_idle(5.0)  # their error events go out
+        if not await self._wait_idle(self.config.drain_timeout_s):
+            log.warning("server.drain_timeout", num_in_flight=self.num_in_flight, timeout_s=self.config.drain_timeout_s)
+            self.engine.error = f"the server shut down (drain timeout of {self.config.drain_timeout_s} s)"
+            self._engine_scope.cancel()
+            await self._wait_idle(5.0)  # their error events go out
+        self._is_drained = True
 
     async def _wait_idle(self, timeout: float) -> bool:
         with anyio.move_on_after(timeout):
