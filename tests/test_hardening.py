@@ -598,3 +598,31 @@ async def test_serve_closes_a_connection_whose_request_head_never_completes(tiny
                 await sock.receive()
         os.kill(os.getpid(), signal.SIGTERM)  # the serve loop's handler: drain, then exit 0
     assert code == [0]
+
+
+async def test_a_failure_while_preparing_one_request_affects_only_that_request(tiny_model, monkeypatch):
+    real = server_module.prepare_prompt
+
+    def prepare(request, ctx):
+        if "poison" in str(request.messages):
+            raise KeyError("template state")
+        return real(request, ctx)
+
+    monkeypatch.setattr(server_module, "prepare_prompt", prepare)
+    async with serve(tiny_model) as atom:
+        client = atom.quart.test_client()
+        results: dict[str, Any] = {}
+
+        async def run(text: str) -> None:
+            r = await client.post("/v1/chat/completions", json=chat(text, max_tokens=4, ignore_eos=True))
+            results[text] = (r.status_code, await r.get_json())
+
+        async with anyio.create_task_group() as tg:
+            for text in ("fine one", "poison", "fine two"):
+                tg.start_soon(run, text)
+        status, body = results["poison"]
+        assert status == 500 and body["error"]["message"] == "Internal error: KeyError"
+        assert "template state" not in json.dumps(body)
+        for text in ("fine one", "fine two"):
+            assert results[text][0] == 200 and results[text][1]["usage"]["completion_tokens"] == 4
+        await wait_until(lambda: is_idle(atom))
