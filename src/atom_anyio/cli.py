@@ -50,6 +50,13 @@ SERVE_FLAGS = {
     "max_body_bytes": int,
     "drain_timeout_s": float,
     "grammar_compile_timeout_s": float,
+    "max_waiting_seqs": int,
+    "max_waiting_tokens": int,
+    "retry_after_s": int,
+    "max_pending_deltas": int,
+    "cors_allow_origins": str,
+    "body_timeout_s": float,
+    "keep_alive_timeout_s": float,
 }
 
 
@@ -80,6 +87,9 @@ async def serve(app) -> int:
     hc = HypercornConfig()
     hc.bind = [f"{cfg.host}:{cfg.port}"]
     hc.graceful_timeout = cfg.drain_timeout_s
+    # no read_timeout: hypercorn applies it to every socket read, so it would cut off any generation
+    # longer than it; the keep-alive timer covers idle and half-sent heads, BODY_TIMEOUT slow bodies
+    hc.keep_alive_timeout = cfg.keep_alive_timeout_s
     hc.accesslog = logging.getLogger(ACCESS_LOGGER)  # loggers, not "-": through the root handler's JSON
     hc.errorlog = logging.getLogger("hypercorn.error")
     hc.access_log_format = ACCESS_LOG_FORMAT
@@ -89,7 +99,9 @@ async def serve(app) -> int:
         async def on_signal() -> None:
             with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 async for _ in signals:
-                    tg.cancel_scope.cancel()
+                    break
+            await app.server.drain()  # 503 to new requests while the listener stays open
+            tg.cancel_scope.cancel()
 
         async def on_crash() -> None:
             nonlocal crashed

@@ -37,6 +37,13 @@ class Config:
     log_level: str = "info"
     max_body_bytes: int = 32 * 2**20
     drain_timeout_s: float = 30.0
+    max_waiting_seqs: int = 256  # sequences admitted and not yet running; past it new requests get 503
+    max_waiting_tokens: int = 262_144  # their prompt tokens; past it too
+    retry_after_s: int = 1  # the Retry-After of an overloaded 503 / 529
+    max_pending_deltas: int = 64  # unread deltas per request; past it a slow reader's deltas are merged
+    cors_allow_origins: str = ""  # comma-separated origins ("*" for any); empty: CORS off
+    body_timeout_s: float = 60.0  # a request body not complete by then is refused (408)
+    keep_alive_timeout_s: float = 5.0  # atom-anyio serve: an idle connection (or half-sent head) is closed
     segment_cache_tokens: int = 4_000_000
     prepare_threads: int = 4
     grammar_compile_timeout_s: float = 10.0  # a structured-output grammar that takes longer is a 400
@@ -48,6 +55,8 @@ class Config:
             raise ValueError("context_overflow must be 'error' or 'drop_oldest'")
         if self.log_format not in ("json", "console", "auto"):
             raise ValueError("log_format must be json, console or auto")
+        if min(self.max_waiting_seqs, self.max_waiting_tokens, self.max_pending_deltas) < 1:
+            raise ValueError("max_waiting_seqs, max_waiting_tokens and max_pending_deltas must be at least 1")
         ParserSpec.detect(None, reasoning_parser=self.reasoning_parser, tool_call_parser=self.tool_call_parser)
 
     @classmethod
@@ -71,6 +80,7 @@ class Config:
             max_num_batched_tokens=self.max_num_batched_tokens,
             kv_cache_gib=self.kv_cache_gib,
             num_threads=self.num_threads,
+            max_pending_deltas=self.max_pending_deltas,
         )
 
     def replace(self, **changes: Any) -> Config:

@@ -7,7 +7,6 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from anyio.streams.memory import MemoryObjectReceiveStream
 from quart import Blueprint
 
 from atom_anyio.api.anthropic_schemas import MessagesInput, MessagesRequest
@@ -15,6 +14,7 @@ from atom_anyio.api.common import EngineFailed, Usage, new_id, parse_body, raise
 from atom_anyio.api.errors import APIError
 from atom_anyio.api.server import Server
 from atom_anyio.engine.sequence import Delta
+from atom_anyio.engine.stream import DeltaStream
 from atom_anyio.parse import OutputParser, ParsedDelta, ToolCallDelta
 from atom_anyio.prompt.prepare import PreparedPrompt, PromptError, tokenize_prompt
 
@@ -28,19 +28,19 @@ def messages_blueprint(server: Server) -> Blueprint:
     async def messages() -> Any:
         req = await parse_body(MessagesRequest)
         server.check_model(req.model)
-        admission = server.admit()
+        admission = server.admit("messages")
         try:
             prepared = await server.prepare(req.prompt_request(req.max_tokens, req.structured(server.parser_spec)))
             encoder = MessageEncoder(server, req, prepared)
             keeps_special = req.parses_tools and server.parser_spec.keeps_special_tokens
-            stream = server.submit(prepared, req.sampling_params(prepared.max_tokens, keeps_special))
+            stream = server.submit(prepared, req.sampling_params(prepared.max_tokens, keeps_special), admission)
         except BaseException:
             admission.release()
             raise
         if req.stream:
             events = encoder.stream(stream)
-            return sse_response(server.stream_events("messages", events, encoder.usage, admission, error_event))
-        return await server.json_response("messages", encoder.response(stream), encoder.usage, admission)
+            return sse_response(server.stream_events(events, encoder.usage, admission, error_event))
+        return await server.json_response(encoder.response(stream), encoder.usage, admission)
 
     @bp.post("/v1/messages/count_tokens")
     async def count_tokens() -> Any:
@@ -73,14 +73,14 @@ class MessageEncoder:
         self.blocks = ContentBlocks(OutputParser(server.parser_spec, prepared.text, parse_tools=req.parses_tools))
         self.last: Delta | None = None
 
-    async def response(self, stream: MemoryObjectReceiveStream[Delta]) -> dict[str, Any]:
+    async def response(self, stream: DeltaStream) -> dict[str, Any]:
         async with stream:
             async for d in stream:
                 self._fold(d)
         self._check_finished()
         return self.message(self.blocks.content)
 
-    async def stream(self, stream: MemoryObjectReceiveStream[Delta]) -> AsyncIterator[str]:
+    async def stream(self, stream: DeltaStream) -> AsyncIterator[str]:
         async with stream:
             async for d in stream:
                 is_first = self.last is None

@@ -7,13 +7,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, TypeAdapter, ValidationError, field_validator, model_validator
 
+from atom_anyio.api.limits import MAX_ANTHROPIC_STOP_SEQUENCES as MAX_STOP_SEQUENCES
 from atom_anyio.api.openai_schemas import Lenient
 from atom_anyio.api.structured import forced_tools
 from atom_anyio.parse import ParserSpec
 from atom_anyio.prompt.prepare import PromptRequest
 from atom_anyio.sampling_params import SamplingParams, StructuredOutputs
 
-MAX_STOP_SEQUENCES = 64
 MIN_THINKING_BUDGET = 1024
 MEDIA_BLOCKS = ("image", "document", "search_result", "container_upload")
 BLOCK_TYPES = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")

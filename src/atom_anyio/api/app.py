@@ -12,7 +12,8 @@ import uuid
 from typing import Any
 
 import structlog
-from quart import Quart, request
+from quart import Quart, Response, request
+from quart.asgi import ASGIHTTPConnection
 from werkzeug.exceptions import HTTPException
 
 from atom_anyio.api.anthropic import messages_blueprint
@@ -21,7 +22,7 @@ from atom_anyio.api.misc import misc_blueprint
 from atom_anyio.api.openai_chat import chat_blueprint
 from atom_anyio.api.openai_completions import completions_blueprint
 from atom_anyio.api.responses import responses_blueprint
-from atom_anyio.api.server import Server
+from atom_anyio.api.server import Server, connection_scope
 from atom_anyio.config import Config
 from atom_anyio.models.loader import LoadedModel
 from atom_anyio.obs.logging import configure_logging
@@ -29,6 +30,16 @@ from atom_anyio.obs.logging import configure_logging
 log = structlog.get_logger("atom_anyio.app")
 
 OPEN_PATHS = ("/health", "/metrics", "/version")
+CORS_ALLOW_HEADERS = "Authorization, Content-Type, X-Api-Key, X-Request-Id, Anthropic-Version, Anthropic-Beta"
+
+
+class HTTPConnection(ASGIHTTPConnection):
+    """Quart's, inside a ``connection_scope``: a request admitted here is
+    released even if its response body never starts."""
+
+    async def __call__(self, receive: Any, send: Any) -> None:
+        with connection_scope():
+            await super().__call__(receive, send)
 
 
 class AtomApp:
@@ -84,7 +95,9 @@ class AtomApp:
 
 def build_quart(server: Server) -> Quart:
     app = Quart("atom_anyio")
+    app.asgi_http_class = HTTPConnection
     app.config["MAX_CONTENT_LENGTH"] = server.config.max_body_bytes
+    app.config["BODY_TIMEOUT"] = server.config.body_timeout_s
     app.config["PROVIDE_AUTOMATIC_OPTIONS"] = True
     app.register_blueprint(chat_blueprint(server))
     app.register_blueprint(completions_blueprint(server))
@@ -104,6 +117,8 @@ def build_quart(server: Server) -> Quart:
         if rid:
             response.headers["x-request-id"] = rid
         return response
+
+    add_cors(app, server.config.cors_allow_origins)
 
     @app.before_request
     async def authenticate() -> None:
@@ -139,6 +154,40 @@ def build_quart(server: Server) -> Quart:
         return error_response(APIError(500, f"Internal error: {type(err).__name__}", code="internal_error"))
 
     return app
+
+
+def add_cors(app: Quart, allow_origins: str) -> None:
+    """CORS for the configured origins only (``*``: any); nothing at all when none are."""
+    origins = {o.strip() for o in allow_origins.split(",") if o.strip()}
+    if not origins:
+        return
+
+    def allowed_origin() -> str | None:
+        origin = request.headers.get("Origin")
+        return origin if origin and (origin in origins or "*" in origins) else None
+
+    @app.before_request
+    async def preflight() -> Any:  # registered before authentication: a preflight carries no key
+        origin = allowed_origin()
+        if request.method == "OPTIONS" and origin and "Access-Control-Request-Method" in request.headers:
+            headers = {
+                "Access-Control-Allow-Origin": origin,
+                "Access-Control-Allow-Methods": "GET, POST, DELETE, OPTIONS",
+                "Access-Control-Allow-Headers": CORS_ALLOW_HEADERS,
+                "Access-Control-Max-Age": "600",
+                "Vary": "Origin",
+            }
+            return Response("", status=204, headers=headers)
+        return None
+
+    @app.after_request
+    async def allow_origin(response: Any) -> Any:
+        origin = allowed_origin()
+        if origin:
+            response.headers["Access-Control-Allow-Origin"] = origin
+            response.headers["Access-Control-Expose-Headers"] = "X-Request-Id, Retry-After"
+            response.headers.add("Vary", "Origin")
+        return response
 
 
 def error_response(err: APIError) -> Any:

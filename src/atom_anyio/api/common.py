@@ -10,12 +10,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from anyio.streams.memory import MemoryObjectReceiveStream
 from pydantic import BaseModel, ValidationError
 from quart import Response, request
 
 from atom_anyio.api.errors import APIError, from_validation_error
+from atom_anyio.api.limits import check_body, depth_error
 from atom_anyio.engine.sequence import Delta, Logprob
+from atom_anyio.engine.stream import DeltaStream
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -30,12 +31,15 @@ async def parse_body(model: type[M]) -> M:
         body = json.loads(raw)
     except UnicodeDecodeError:
         raise APIError(400, "The request body is not valid UTF-8.", code="invalid_json") from None
+    except RecursionError:
+        raise depth_error() from None
     except json.JSONDecodeError as exc:
         raise APIError(
             400, f"The request body is not valid JSON: {exc.msg} at position {exc.pos}", code="invalid_json"
         ) from None
     if not isinstance(body, dict):
         raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
+    check_body(body)
     try:
         return model.model_validate(body)
     except ValidationError as exc:
@@ -118,7 +122,7 @@ def raise_on_error(d: Delta) -> None:
         raise EngineFailed(d.error or "the engine failed")
 
 
-async def collect(stream: MemoryObjectReceiveStream[Delta], n: int, usage: Usage) -> list[Choice]:
+async def collect(stream: DeltaStream, n: int, usage: Usage) -> list[Choice]:
     """Every choice of a request, whole (non-streaming responses)."""
     choices = [Choice(index=i) for i in range(n)]
     async with stream:

@@ -47,21 +47,21 @@ def chat_blueprint(server: Server) -> Blueprint:
             truncate_prompt_tokens=req.truncate_prompt_tokens,
             structured=req.structured(server.parser_spec),
         )
-        admission = server.admit()
+        admission = server.admit("chat", req.n)
         try:
             prepared = await server.prepare(prompt)
             params = req.sampling_params(prepared.max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
             if parse_tools and server.parser_spec.keeps_special_tokens:
                 params.skip_special_tokens = False
             encoder = ChatEncoder(server, req, prepared.text, parse_tools=parse_tools)
-            stream = server.submit(prepared, params)
+            stream = server.submit(prepared, params, admission)
         except BaseException:
             admission.release()
             raise
         if req.stream:
             events = encoder.stream(stream)
-            return sse_response(server.stream_events("chat", events, encoder.usage, admission, openai_error_event))
-        return await server.json_response("chat", encoder.response(stream), encoder.usage, admission)
+            return sse_response(server.stream_events(events, encoder.usage, admission, openai_error_event))
+        return await server.json_response(encoder.response(stream), encoder.usage, admission)
 
     return bp
 

@@ -47,7 +47,7 @@ def completions_blueprint(server: Server) -> Blueprint:
             for p in req.prompts()
         ]
         encoder = CompletionEncoder(server, req)
-        admission = server.admit()
+        admission = server.admit("completions", encoder.num_choices)
         try:
             prepared = await server.prepare_many(prompts)
             # usage counts every prompt; Usage.add() only raises it to one prompt's count
@@ -57,16 +57,16 @@ def completions_blueprint(server: Server) -> Blueprint:
                 encoder.prompt_texts = [
                     p.text if p.text is not None else server.loaded.tokenizer.decode(p.token_ids) for p in prepared
                 ]
-            stream = server.submit_many([(p, req.sampling_params(p.max_tokens, req.logprobs)) for p in prepared])
+            stream = server.submit_many(
+                [(p, req.sampling_params(p.max_tokens, req.logprobs)) for p in prepared], admission
+            )
         except BaseException:
             admission.release()
             raise
         if req.stream:
             events = encoder.stream(stream)
-            return sse_response(
-                server.stream_events("completions", events, encoder.usage, admission, openai_error_event)
-            )
-        return await server.json_response("completions", encoder.response(stream), encoder.usage, admission)
+            return sse_response(server.stream_events(events, encoder.usage, admission, openai_error_event))
+        return await server.json_response(encoder.response(stream), encoder.usage, admission)
 
     return bp
 

@@ -9,12 +9,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from atom_anyio.api.errors import APIError
+from atom_anyio.api.limits import MAX_N, MAX_STOP_SEQUENCES
 from atom_anyio.api.structured import bad, forced_tools, only_one, response_format, vllm_structured
 from atom_anyio.parse import ParserSpec
 from atom_anyio.sampling_params import SamplingParams, StructuredOutputs
-
-MAX_STOP_SEQUENCES = 16
-MAX_N = 128
 
 
 class Lenient(BaseModel):

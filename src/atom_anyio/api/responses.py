@@ -7,7 +7,6 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import aclosing
 from typing import Any
 
-from anyio.streams.memory import MemoryObjectReceiveStream
 from quart import Blueprint
 
 from atom_anyio.api.common import EngineFailed, Usage, new_id, now, parse_body, raise_on_error, sse, sse_response
@@ -15,7 +14,7 @@ from atom_anyio.api.errors import APIError
 from atom_anyio.api.response_store import ResponseStore, StoredResponse
 from atom_anyio.api.responses_schemas import FunctionTool, InputItem, ResponsesRequest, parse_items, to_messages
 from atom_anyio.api.server import Server
-from atom_anyio.engine.sequence import Delta
+from atom_anyio.engine.stream import DeltaStream
 from atom_anyio.parse import OutputParser, ParsedDelta, ToolCallDelta
 from atom_anyio.prompt.prepare import PreparedPrompt, PromptRequest
 from atom_anyio.sampling_params import SamplingParams
@@ -41,18 +40,18 @@ def responses_blueprint(server: Server) -> Blueprint:
             truncation=req.truncation,
             structured=req.structured(server.parser_spec, tools),
         )
-        admission = server.admit()
+        admission = server.admit("responses")
         try:
             prepared = await _prepare(server, prompt)
             encoder = ResponseEncoder(server, req, tools, prepared, store, history + new_items)
-            stream = server.submit(prepared, _sampling_params(server, req, prepared))
+            stream = server.submit(prepared, _sampling_params(server, req, prepared), admission)
         except BaseException:
             admission.release()
             raise
         if req.stream:
             events = encoder.sse(stream)
-            return sse_response(server.stream_events("responses", events, encoder.usage, admission, encoder.error))
-        return await server.json_response("responses", encoder.run(stream), encoder.usage, admission)
+            return sse_response(server.stream_events(events, encoder.usage, admission, encoder.error))
+        return await server.json_response(encoder.run(stream), encoder.usage, admission)
 
     @bp.get("/v1/responses/<response_id>")
     async def retrieve(response_id: str) -> Any:
@@ -187,19 +186,19 @@ class ResponseEncoder:
 
     # the event stream
 
-    async def run(self, stream: MemoryObjectReceiveStream[Delta]) -> dict[str, Any]:
+    async def run(self, stream: DeltaStream) -> dict[str, Any]:
         """The plain (non-streaming) response: the same events, unsent."""
         async with aclosing(self.events(stream)) as events:
             async for _ in events:
                 pass
         return self.response()
 
-    async def sse(self, stream: MemoryObjectReceiveStream[Delta]) -> AsyncIterator[str]:
+    async def sse(self, stream: DeltaStream) -> AsyncIterator[str]:
         async with aclosing(self.events(stream)) as events:
             async for event in events:
                 yield sse(event, event=event["type"])
 
-    async def events(self, stream: MemoryObjectReceiveStream[Delta]) -> AsyncIterator[dict[str, Any]]:
+    async def events(self, stream: DeltaStream) -> AsyncIterator[dict[str, Any]]:
         yield self._event("response.created", response=self.response())
         yield self._event("response.in_progress", response=self.response())
         finish = None

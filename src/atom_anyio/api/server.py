@@ -6,22 +6,22 @@ from __future__ import annotations
 import dataclasses
 import gc
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import aclosing, asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import aclosing, asynccontextmanager, contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
 import anyio
 import structlog
 from anyio.abc import TaskStatus
-from anyio.streams.memory import MemoryObjectReceiveStream
 
 from atom_anyio.api.common import EngineFailed, Usage
 from atom_anyio.api.errors import APIError
 from atom_anyio.config import Config
 from atom_anyio.engine.grammar import Constraint, GrammarError, Grammars
 from atom_anyio.engine.loop import Engine, EngineDeadError, EngineError
-from atom_anyio.engine.sequence import Delta
+from atom_anyio.engine.stream import DeltaStream
 from atom_anyio.models.loader import LoadedModel, load_model
 from atom_anyio.obs.metrics import Metrics
 from atom_anyio.obs.runtime import GCTimer, freeze_heap, monitor_loop_lag
@@ -40,17 +40,58 @@ def request_id() -> str | None:
 
 
 class Admission:
-    """One request counted in flight; released exactly once."""
+    """One request from admission to its last byte: counted in flight (and
+    its sequences as waiting until submitted), finished exactly once. If the
+    response body never starts (the client left before the first byte), the
+    HTTP connection's end finishes it: the stream is closed, so the engine
+    aborts its sequences, and the request is released."""
 
-    def __init__(self, server: Server):
+    def __init__(self, server: Server, endpoint: str, num_seqs: int):
         self.server = server
+        self.endpoint = endpoint
+        self.num_seqs = num_seqs
+        self.stream: DeltaStream | None = None
+        self.is_finished = False
         server.num_in_flight += 1
-        self._released = False
+        server.num_preparing_seqs += num_seqs
+        connection = _connection_admissions.get()
+        if connection is not None:
+            connection.append(self)
+
+    def submitted(self, stream: DeltaStream) -> None:
+        self.stream = stream
+        self.server.num_preparing_seqs -= self.num_seqs
+        self.num_seqs = 0
 
     def release(self) -> None:
-        if not self._released:
-            self._released = True
-            self.server._released()
+        """Stop counting the request (its stream, if any, is closed)."""
+        if not self.is_finished:
+            self.is_finished = True
+            if self.stream is not None:
+                self.stream.close()
+            self.server._released(self.num_seqs)
+
+    def finish(self, outcome: str, usage: Usage, status: int) -> None:
+        if not self.is_finished:
+            self.release()
+            self.server.finished(self.endpoint, outcome, usage, status)
+
+
+_connection_admissions: ContextVar[list[Admission] | None] = ContextVar("connection_admissions", default=None)
+
+
+@contextmanager
+def connection_scope() -> Iterator[None]:
+    """Around one HTTP connection's handling: admissions made inside it and
+    never finished (a body that never started) end as cancelled."""
+    admissions: list[Admission] = []
+    token = _connection_admissions.set(admissions)
+    try:
+        yield
+    finally:
+        _connection_admissions.reset(token)
+        for admission in admissions:
+            admission.finish("cancelled", Usage(), 499)
 
 
 class Server:
@@ -68,8 +109,11 @@ class Server:
         self.metrics = Metrics()
         self.is_admitting = False
         self.num_in_flight = 0
+        self.num_preparing_seqs = 0  # admitted, not yet submitted: waiting too
         self._idle: anyio.Event | None = None
         self.engine_crashed: anyio.Event | None = None
+        self._engine_scope: anyio.CancelScope | None = None
+        self._is_drained = False
         self.started_at = time.time()
 
     @property
@@ -80,6 +124,15 @@ class Server:
     def max_model_len(self) -> int:
         assert self.engine is not None
         return self.engine.max_model_len
+
+    @property
+    def num_waiting_seqs(self) -> int:
+        """The queue admission bounds: sequences in prepare and in the engine, not yet running."""
+        return self.num_preparing_seqs + (self.engine.num_waiting_seqs if self.engine else 0)
+
+    @property
+    def num_waiting_tokens(self) -> int:
+        return self.engine.num_waiting_tokens if self.engine else 0
 
     @property
     def is_healthy(self) -> bool:
@@ -100,9 +153,11 @@ class Server:
         )
         self.grammars = await anyio.to_thread.run_sync(self._build_grammars)
         self.metrics.bind_engine(self.engine)
+        self.metrics.bind_admission(self)
         self._idle = anyio.Event()
         self.engine_crashed = anyio.Event()
         gc_timer = GCTimer(self.metrics.gc_pause)
+        self._engine_scope, self._is_drained = anyio.CancelScope(), False
         async with anyio.create_task_group() as tg:
             await tg.start(self._run_engine)
             await self._warm_up()
@@ -113,10 +168,8 @@ class Server:
             try:
                 yield self
             finally:
-                self.is_admitting = False
-                with anyio.move_on_after(cfg.drain_timeout_s, shield=True):
-                    while self.num_in_flight:
-                        await self._idle.wait()
+                with anyio.CancelScope(shield=True):
+                    await self.drain()
                 gc_timer.remove()
                 gc.unfreeze()
                 self.grammars.close()
@@ -161,21 +214,68 @@ class Server:
         tearing the process down mid-response (the CLI exits non-zero on it)."""
         assert self.engine is not None and self.engine_crashed is not None
         try:
-            await self.engine.run(task_status=task_status)
+            with self._engine_scope:
+                await self.engine.run(task_status=task_status)
         except Exception:
             self.engine_crashed.set()
 
+    async def drain(self) -> None:
+        """Stop admitting (503), let in-flight requests finish within the
+        drain timeout, then stop the engine so the rest end with an error
+        (an SSE error event or a 500 body). Idempotent."""
+        self.is_admitting = False
+        if self._is_drained or self.engine is None:
+            return
+        if not await self._wait_idle(self.config.drain_timeout_s):
+            log.warning("server.drain_timeout", num_in_flight=self.num_in_flight, timeout_s=self.config.drain_timeout_s)
+            self.engine.error = f"the server shut down (drain timeout of {self.config.drain_timeout_s} s)"
+            self._engine_scope.cancel()
+            await self._wait_idle(5.0)  # their error events go out
+        self._is_drained = True
+
+    async def _wait_idle(self, timeout: float) -> bool:
+        with anyio.move_on_after(timeout):
+            while self.num_in_flight:
+                await self._idle.wait()
+        return not self.num_in_flight
+
     # per request
 
-    def admit(self) -> Admission:
-        """Count a request in flight until released; 503 when not serving."""
+    def admit(self, endpoint: str, num_seqs: int = 1) -> Admission:
+        """Count a request in flight until finished; 503 when not serving or
+        when its sequences would overflow the waiting queue (prompt tokens
+        are only known after prepare: ``submit`` checks those)."""
         if not self.is_admitting:
+            self.metrics.rejected.labels("shutting_down").inc()
             raise APIError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": "5"})
         if not self.is_healthy:
+            self.metrics.rejected.labels("engine_dead").inc()
             raise APIError(503, f"the engine is unavailable: {self.engine and self.engine.error}", code="engine_dead")
-        return Admission(self)
+        if num_seqs > self.config.max_waiting_seqs:
+            raise APIError(
+                400,
+                f"The request has {num_seqs} choices; the waiting queue holds {self.config.max_waiting_seqs} "
+                "(max_waiting_seqs).",
+                param="n",
+                code="limit_exceeded",
+            )
+        waiting = self.num_waiting_seqs
+        if waiting and waiting + num_seqs > self.config.max_waiting_seqs:
+            raise self._overloaded("max_waiting_seqs", f"{waiting} sequences are waiting")
+        return Admission(self, endpoint, num_seqs)
 
-    def _released(self) -> None:
+    def _overloaded(self, limit: str, detail: str) -> APIError:
+        self.metrics.rejected.labels(limit).inc()
+        value = getattr(self.config, limit)
+        return APIError(
+            503,
+            f"The server is overloaded ({detail}; {limit}={value}); retry later.",
+            code="overloaded",
+            headers={"Retry-After": str(self.config.retry_after_s)},
+        )
+
+    def _released(self, num_preparing_seqs: int) -> None:
+        self.num_preparing_seqs -= num_preparing_seqs
         self.num_in_flight -= 1
         if self.num_in_flight == 0 and self._idle is not None:
             self._idle.set()
@@ -183,7 +283,6 @@ class Server:
 
     async def stream_events(
         self,
-        endpoint: str,
         events: AsyncIterator[str],
         usage: Usage,
         admission: Admission,
@@ -204,10 +303,9 @@ class Server:
             outcome = "error"
             yield error_event(exc)
         finally:
-            admission.release()
-            self.finished(endpoint, outcome, usage, status=200)  # the headers went out before the body
+            admission.finish(outcome, usage, status=200)  # the headers went out before the body
 
-    async def json_response(self, endpoint: str, body: Awaitable[dict], usage: Usage, admission: Admission) -> dict:
+    async def json_response(self, body: Awaitable[dict], usage: Usage, admission: Admission) -> dict:
         outcome, status = "cancelled", 499  # client closed the request
         try:
             result = await body
@@ -220,8 +318,7 @@ class Server:
             outcome, status = "error", exc.status
             raise
         finally:
-            admission.release()
-            self.finished(endpoint, outcome, usage, status)
+            admission.finish(outcome, usage, status)
 
     def finished(self, endpoint: str, outcome: str, usage: Usage, status: int) -> None:
         self.metrics.observe_finished(endpoint, outcome, usage, request_id())
@@ -282,17 +379,27 @@ class Server:
     def run_in_prepare_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         return anyio.to_thread.run_sync(fn, *args, limiter=self.prepare_limiter)
 
-    def submit(self, prepared: PreparedPrompt, params: SamplingParams) -> MemoryObjectReceiveStream[Delta]:
-        return self.submit_many([(prepared, params)])
+    def submit(self, prepared: PreparedPrompt, params: SamplingParams, admission: Admission) -> DeltaStream:
+        return self.submit_many([(prepared, params)], admission)
 
-    def submit_many(self, items: list[tuple[PreparedPrompt, SamplingParams]]) -> MemoryObjectReceiveStream[Delta]:
+    def submit_many(self, items: list[tuple[PreparedPrompt, SamplingParams]], admission: Admission) -> DeltaStream:
+        """Queue the admitted request's prompts; 503 if their tokens would
+        overflow the waiting queue (a request alone in the queue always fits)."""
         assert self.engine is not None
+        num_tokens = sum(p.num_prompt_tokens * params.n for p, params in items)
+        waiting = self.num_waiting_tokens
+        if waiting and waiting + num_tokens > self.config.max_waiting_tokens:
+            raise self._overloaded("max_waiting_tokens", f"{waiting} prompt tokens are waiting")
         try:
-            return self.engine.submit_many([(p.token_ids, p.block_hashes, params, p.constraint) for p, params in items])
+            stream = self.engine.submit_many(
+                [(p.token_ids, p.block_hashes, params, p.constraint) for p, params in items]
+            )
         except EngineError as exc:
             raise APIError(400, str(exc), code="invalid_value") from None
         except EngineDeadError as exc:
             raise APIError(503, str(exc), code="engine_dead") from None
+        admission.submitted(stream)
+        return stream
 
     async def stop_on_crash(self) -> None:
         """Return when the engine crashes (the CLI then exits non-zero)."""

@@ -16,6 +16,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # overrides the budget (tests force preemption with it)
     enable_prefix_caching: bool = True
     max_consecutive_step_failures: int = 3  # then the engine is marked unhealthy
+    max_pending_deltas: int = 64  # unread deltas per request before new ones are merged into them
     # torch intra-op threads for the forward on CPU; None: all cores but one, which is left to the
     # event loop (OpenMP threads spinning against a busy loop thread make every step many times slower)
     num_threads: int | None = None

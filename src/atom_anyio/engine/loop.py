@@ -3,17 +3,16 @@
     inbox -> scheduler.schedule() -> worker step (channel out, channel back)
           -> postprocess: append token, detokenize, stop checks, send_nowait
 
-Each request owns the receive end of a memory-object stream; every sequence
-of the request holds a clone of the send end. A closed receive stream makes
-the next ``send_nowait`` fail (or is seen before scheduling) and the
-sequence is aborted and its blocks freed. A finished sequence sends its last
+Each request owns a ``DeltaStream`` (bounded: a slow reader gets merged
+deltas, the engine never waits); every sequence of the request holds a
+sender. A closed stream makes the next ``send_nowait`` fail (or is seen
+before scheduling) and the sequence is aborted and its blocks freed. A finished sequence sends its last
 delta, closes its send stream and is dropped: nothing keeps finished ones.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections.abc import Sequence as Seq
 
@@ -21,7 +20,6 @@ import anyio
 import structlog
 import xgrammar as xgr
 from anyio.abc import TaskStatus
-from anyio.streams.memory import MemoryObjectReceiveStream
 
 from atom_anyio.engine.block_hash import block_hash_chain
 from atom_anyio.engine.block_manager import BlockManager
@@ -31,6 +29,7 @@ from atom_anyio.engine.grammar import Constraint
 from atom_anyio.engine.sampler import SamplingInputs
 from atom_anyio.engine.scheduler import ScheduledBatch, Scheduler
 from atom_anyio.engine.sequence import Delta, Sequence, Status
+from atom_anyio.engine.stream import DeltaStream
 from atom_anyio.engine.worker import StepInput, StepOutput, Worker, kv_bytes_per_token
 from atom_anyio.models.loader import LoadedModel
 from atom_anyio.sampling_params import SamplingParams
@@ -81,7 +80,7 @@ class Engine:
         *,
         block_hashes: list[int] | None = None,
         constraint: Constraint | None = None,
-    ) -> MemoryObjectReceiveStream[Delta]:
+    ) -> DeltaStream:
         """Queue a request; its deltas arrive on the returned stream, tagged
         with the choice index, until every choice has finished. ``constraint``:
         a compiled grammar every choice's output follows."""
@@ -89,27 +88,36 @@ class Engine:
 
     def submit_many(
         self, prompts: Seq[tuple[Seq[int], list[int] | None, SamplingParams, Constraint | None]]
-    ) -> MemoryObjectReceiveStream[Delta]:
+    ) -> DeltaStream:
         """Several prompts as one request on one stream: prompt ``i``'s
         choices are numbered after those of the prompts before it."""
         if not self.is_running:
             raise EngineDeadError(self.error or "the engine is not running")
         checked = [(list(ids), hashes, params, c, self.check(len(ids), params)) for ids, hashes, params, c in prompts]
-        send, receive = anyio.create_memory_object_stream[Delta](max_buffer_size=math.inf)
+        stream = DeltaStream(self.cfg.max_pending_deltas)
         index = 0
-        with send:
-            for ids, hashes, params, constraint, max_tokens in checked:
-                if hashes is None:
-                    hashes = block_hash_chain(ids, self.cfg.block_size)
-                seqs = [
-                    self._new_sequence(ids, hashes, params, max_tokens, send.clone(), index + i, constraint)
-                    for i in range(params.n)
-                ]
-                index += params.n
-                seqs[0].siblings = seqs[1:]  # released once the first has prefilled the shared prompt
-                self._inbox.append(seqs[0])
+        for ids, hashes, params, constraint, max_tokens in checked:
+            if hashes is None:
+                hashes = block_hash_chain(ids, self.cfg.block_size)
+            seqs = [
+                self._new_sequence(ids, hashes, params, max_tokens, stream.sender(), index + i, constraint)
+                for i in range(params.n)
+            ]
+            index += params.n
+            seqs[0].siblings = seqs[1:]  # released once the first has prefilled the shared prompt
+            self._inbox.append(seqs[0])
         self._wakeup.set()
-        return receive
+        return stream
+
+    @property
+    def num_waiting_seqs(self) -> int:
+        """Sequences submitted and not yet running (unreleased choices of n > 1 included)."""
+        return sum(1 + len(s.siblings) for s in (*self._inbox, *self.scheduler.waiting))
+
+    @property
+    def num_waiting_tokens(self) -> int:
+        """Tokens the waiting sequences have yet to prefill (a choice of n > 1 counts its prompt)."""
+        return sum(len(s) * (1 + len(s.siblings)) for s in (*self._inbox, *self.scheduler.waiting))
 
     def check(self, num_prompt: int, params: SamplingParams) -> int:
         """Refuse a request that can never be served; return its max_tokens."""
@@ -167,7 +175,7 @@ class Engine:
             if not isinstance(exc, anyio.get_cancelled_exc_class()) and self.error is None:
                 self.error = f"engine loop crashed: {type(exc).__name__}: {exc}"
                 log.exception("engine.crashed")
-            elif self.error is not None:
+            elif self.error is not None and not isinstance(exc, anyio.get_cancelled_exc_class()):
                 log.error("engine.unhealthy", error=self.error)
             raise
         finally:
@@ -210,7 +218,7 @@ class Engine:
         """Abort sequences whose client closed its receive stream."""
         sched = self.scheduler
         for seq in [*sched.running, *sched.waiting]:
-            if seq.stream.statistics().open_receive_streams == 0:
+            if seq.stream.is_abandoned:
                 self._abort(seq)
 
     def _build_step(self, batch: ScheduledBatch) -> StepInput:

@@ -5,15 +5,15 @@ from __future__ import annotations
 import enum
 import itertools
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from atom_anyio.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from anyio.streams.memory import MemoryObjectSendStream
-
     from atom_anyio.engine.detokenizer import IncrementalDetokenizer
+    from atom_anyio.engine.stream import DeltaSender
 
 
 class Status(enum.Enum):
@@ -49,6 +49,12 @@ class Delta:
 
 
 _seq_ids = itertools.count()
+_alive: weakref.WeakSet[Sequence] = weakref.WeakSet()
+
+
+def num_alive() -> int:
+    """Sequence objects not yet collected (0 when the server is idle: nothing keeps finished ones)."""
+    return len(_alive)
 
 
 class Sequence:
@@ -59,7 +65,7 @@ class Sequence:
         self,
         token_ids: list[int],
         params: SamplingParams,
-        stream: MemoryObjectSendStream[Delta],
+        stream: DeltaSender,
         detokenizer: IncrementalDetokenizer,
         block_hashes: list[int],
         index: int = 0,
@@ -88,6 +94,7 @@ class Sequence:
         self.matcher: Any = None  # an xgrammar GrammarMatcher when the output is constrained
         # token ids the output must end with before the matcher applies (a reasoning end tag); () once it has
         self.grammar_gate: tuple[int, ...] = ()
+        _alive.add(self)
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -14,7 +14,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from atom_anyio.engine.sequence import num_alive
+
 if TYPE_CHECKING:
+    from atom_anyio.api.server import Server
     from atom_anyio.engine.loop import Engine
 
 disable_created_metrics()  # no *_created series: a fixed set of lines per metric
@@ -40,10 +43,33 @@ class EngineCollector(Collector):
         yield GaugeMetricFamily(
             "atom_kv_cache_blocks_free", "Free KV blocks (cached ones included)", value=bm.num_free_blocks
         )
+        yield GaugeMetricFamily("atom_kv_cache_blocks_total", "KV blocks in the pool", value=bm.num_blocks)
         yield CounterMetricFamily(
             "atom_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", value=bm.num_hit_tokens
         )
         yield CounterMetricFamily("atom_preemptions", "Sequences preempted (recompute)", value=sched.num_preemptions)
+        yield GaugeMetricFamily("atom_sequences_alive", "Sequence objects alive in the process", value=num_alive())
+
+
+class AdmissionCollector(Collector):
+    """The waiting queue admission bounds, and its limits."""
+
+    def __init__(self, server: Server):
+        self.server = server
+
+    def collect(self) -> Iterator[Metric]:
+        server, cfg = self.server, self.server.config
+        yield GaugeMetricFamily(
+            "atom_queue_waiting_seqs", "Sequences admitted and not yet running", value=server.num_waiting_seqs
+        )
+        yield GaugeMetricFamily(
+            "atom_queue_waiting_tokens", "Prompt tokens of the waiting sequences", value=server.num_waiting_tokens
+        )
+        yield GaugeMetricFamily("atom_queue_max_waiting_seqs", "Admission limit", value=cfg.max_waiting_seqs)
+        yield GaugeMetricFamily("atom_queue_max_waiting_tokens", "Admission limit", value=cfg.max_waiting_tokens)
+        yield GaugeMetricFamily(
+            "atom_requests_in_flight", "Requests admitted and not finished", value=server.num_in_flight
+        )
 
 
 class Metrics:
@@ -77,6 +103,9 @@ class Metrics:
         self.loop_lag = Histogram(
             "atom_event_loop_lag_seconds", "Event-loop scheduling delay", buckets=LAG_BUCKETS, registry=r
         )
+        self.rejected = Counter(
+            "atom_requests_rejected", "Requests refused at admission, by reason", ["reason"], registry=r
+        )
         self.gc_pause = Histogram("atom_gc_pause_seconds", "GC pauses", ["generation"], buckets=GC_BUCKETS, registry=r)
         if per_request is None:
             per_request = os.environ.get("ATOM_METRICS_PER_REQUEST", "") in ("1", "true", "yes")
@@ -88,6 +117,9 @@ class Metrics:
 
     def bind_engine(self, engine: Engine) -> None:
         self.registry.register(EngineCollector(engine))
+
+    def bind_admission(self, server: Server) -> None:
+        self.registry.register(AdmissionCollector(server))
 
     def request_started(self, request_id: str | None, prompt_tokens: int, segment_hits: int) -> None:
         self.segment_cache_hits.inc(segment_hits)

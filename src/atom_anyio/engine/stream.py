@@ -1,0 +1,136 @@
+"""One request's delta stream: the engine sends without ever blocking, the
+request's task reads, and a slow reader cannot make it grow without bound.
+
+At most ``max_pending`` deltas wait unread; past that a new delta is merged
+into the last pending one of the same choice (text, token ids and logprobs
+concatenated, the latest finish and counters kept), so what waits is bounded
+by the request's own output and a reader that catches up sees the same text.
+Every sequence of the request holds one ``DeltaSender``; the stream ends when
+all have closed. Closing the ``DeltaStream`` (the reader leaving) makes the
+next send raise ``BrokenResourceError`` and ``is_abandoned`` true, which is
+how the engine learns to abort the request.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import anyio
+
+from atom_anyio.engine.sequence import Delta
+
+
+class DeltaStream:
+    """The receive side: iterate it (``async with`` closes it)."""
+
+    def __init__(self, max_pending: int):
+        assert max_pending >= 1
+        self.max_pending = max_pending
+        self.pending: deque[Delta] = deque()
+        self.num_open_senders = 0
+        self.is_closed = False
+        self._readable: anyio.Event | None = None
+
+    def sender(self) -> DeltaSender:
+        self.num_open_senders += 1
+        return DeltaSender(self)
+
+    # receive side
+
+    def close(self) -> None:
+        self.is_closed = True
+        self.pending.clear()
+
+    async def aclose(self) -> None:
+        self.close()
+
+    async def __aenter__(self) -> DeltaStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    async def receive(self) -> Delta:
+        """The next delta; ``EndOfStream`` once every sequence has finished."""
+        try:
+            return await self.__anext__()
+        except StopAsyncIteration:
+            raise anyio.EndOfStream from None
+
+    def __aiter__(self) -> DeltaStream:
+        return self
+
+    async def __anext__(self) -> Delta:
+        while True:
+            if self.is_closed:
+                raise anyio.ClosedResourceError
+            if self.pending:
+                return self.pending.popleft()
+            if not self.num_open_senders:
+                raise StopAsyncIteration
+            self._readable = anyio.Event()
+            await self._readable.wait()
+
+    # send side
+
+    def _put(self, delta: Delta) -> None:
+        if self.is_closed:
+            raise anyio.BrokenResourceError
+        if len(self.pending) < self.max_pending or not self._merge(delta):
+            self.pending.append(delta)  # past the bound only a choice with nothing pending adds an entry
+        self._wake()
+
+    def _merge(self, delta: Delta) -> bool:
+        for last in reversed(self.pending):
+            if last.index == delta.index:
+                merge_into(last, delta)
+                return True
+        return False
+
+    def _sender_closed(self) -> None:
+        self.num_open_senders -= 1
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._readable is not None:
+            self._readable.set()
+            self._readable = None
+
+
+class DeltaSender:
+    """One sequence's send side; closing it is idempotent."""
+
+    __slots__ = ("_stream",)
+
+    def __init__(self, stream: DeltaStream):
+        self._stream: DeltaStream | None = stream
+
+    def send_nowait(self, delta: Delta) -> None:
+        if self._stream is None:
+            raise anyio.ClosedResourceError
+        self._stream._put(delta)
+
+    @property
+    def is_abandoned(self) -> bool:
+        """Whether the reader has gone (its sequence should be aborted)."""
+        return self._stream is None or self._stream.is_closed
+
+    def close(self) -> None:
+        if self._stream is not None:
+            self._stream._sender_closed()
+            self._stream = None
+
+
+def merge_into(last: Delta, new: Delta) -> None:
+    """``new`` appended to ``last`` (same choice): one delta saying both."""
+    last.text += new.text
+    last.token_ids.extend(new.token_ids)  # the engine makes fresh lists for every delta
+    if new.logprobs:
+        last.logprobs = [*(last.logprobs or []), *new.logprobs]
+    last.num_prompt_tokens = new.num_prompt_tokens
+    last.num_cached_tokens = new.num_cached_tokens
+    last.num_output_tokens = new.num_output_tokens
+    if new.finish_reason is not None:
+        last.finish_reason, last.stop_reason, last.error = new.finish_reason, new.stop_reason, new.error
+    if new.metrics:
+        last.metrics = new.metrics
