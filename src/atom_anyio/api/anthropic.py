@@ -39,8 +39,8 @@ def messages_blueprint(server: Server) -> Blueprint:
             raise
         if req.stream:
             events = encoder.stream(stream)
-            return sse_response(server.stream_events("messages", events, encoder.usage, admission, error_event))
-        return await server.json_response("messages", encoder.response(stream), encoder.usage, admission)
+            return sse_response(server.stream_events(events, encoder.usage, admission, error_event))
+        return await server.json_response(encoder.response(stream), encoder.usage, admission)
 
     @bp.post("/v1/messages/count_tokens")
     async def count_tokens() -> Any:

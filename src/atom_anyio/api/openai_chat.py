@@ -32,7 +32,7 @@ from atom_anyio.prompt.prepare import PromptRequest
 def chat_blueprint(server: Server) -> Blueprint:
     bp = Blueprint("openai_chat", __name__)
 
-    @bp.post("/v1/chat/completions")
+    @bp.post("/v1/chat/completions", endpoint="chat")
     async def chat_completions() -> Any:
         req = await parse_body(ChatCompletionRequest)
         server.check_model(req.model)
@@ -59,8 +59,8 @@ def chat_blueprint(server: Server) -> Blueprint:
             raise
         if req.stream:
             events = encoder.stream(stream)
-            return sse_response(server.stream_events("chat", events, encoder.usage, admission, openai_error_event))
-        return await server.json_response("chat", encoder.response(stream), encoder.usage, admission)
+            return sse_response(server.stream_events(events, encoder.usage, admission, openai_error_event))
+        return await server.json_response(encoder.response(stream), encoder.usage, admission)
 
     return bp
 

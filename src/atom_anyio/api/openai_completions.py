@@ -60,10 +60,8 @@ def completions_blueprint(server: Server) -> Blueprint:
             raise
         if req.stream:
             events = encoder.stream(stream)
-            return sse_response(
-                server.stream_events("completions", events, encoder.usage, admission, openai_error_event)
-            )
-        return await server.json_response("completions", encoder.response(stream), encoder.usage, admission)
+            return sse_response(server.stream_events(events, encoder.usage, admission, openai_error_event))
+        return await server.json_response(encoder.response(stream), encoder.usage, admission)
 
     return bp
 

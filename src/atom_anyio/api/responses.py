@@ -26,7 +26,7 @@ def responses_blueprint(server: Server) -> Blueprint:
     cfg = server.config
     store = bp.store = ResponseStore(cfg.responses_store_max_items, cfg.responses_store_ttl_s)
 
-    @bp.post("/v1/responses")
+    @bp.post("/v1/responses", endpoint="responses")
     async def create() -> Any:
         req = await parse_body(ResponsesRequest)
         server.check_model(req.model)
@@ -50,17 +50,17 @@ def responses_blueprint(server: Server) -> Blueprint:
             raise
         if req.stream:
             events = encoder.sse(stream)
-            return sse_response(server.stream_events("responses", events, encoder.usage, admission, encoder.error))
-        return await server.json_response("responses", encoder.run(stream), encoder.usage, admission)
+            return sse_response(server.stream_events(events, encoder.usage, admission, encoder.error))
+        return await server.json_response(encoder.run(stream), encoder.usage, admission)
 
-    @bp.get("/v1/responses/<response_id>")
+    @bp.get("/v1/responses/<response_id>", endpoint="get_response")
     async def retrieve(response_id: str) -> Any:
         entry = store.get(response_id)
         if entry is None:
             raise _not_found(response_id)
         return entry.response
 
-    @bp.delete("/v1/responses/<response_id>")
+    @bp.delete("/v1/responses/<response_id>", endpoint="delete_response")
     async def delete(response_id: str) -> Any:
         if not store.delete(response_id):
             raise _not_found(response_id)

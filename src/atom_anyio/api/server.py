@@ -7,6 +7,8 @@ import gc
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,30 @@ log = structlog.get_logger("atom_anyio.server")
 def request_id() -> str | None:
     """The current request's id (bound by the app for each request)."""
     return structlog.contextvars.get_contextvars().get("request_id")
+
+
+@dataclass
+class RequestRecord:
+    """One HTTP request's ``request.finished`` line, written exactly once: by the
+    generation path with its usage (an SSE body when it ends), else by the app
+    when the request context closes, from the response status."""
+
+    endpoint: str  # the route's label, or "other": a bounded set of values
+    status: int | None = None  # the response's, once there is one
+    is_streamed: bool = False
+    is_logged: bool = False
+
+
+current_record: ContextVar[RequestRecord | None] = ContextVar("atom_request_record", default=None)
+
+
+def outcome_of(status: int) -> str:
+    """ok below 400, refused for a client error, cancelled for 499 (the client left), else error."""
+    if status < 400:
+        return "ok"
+    if status == 499:
+        return "cancelled"
+    return "refused" if status < 500 else "error"
 
 
 class Admission:
@@ -165,16 +191,26 @@ class Server:
             self._idle.set()
             self._idle = anyio.Event()
 
-    async def stream_events(
+    def stream_events(
         self,
-        endpoint: str,
         events: AsyncIterator[str],
         usage: Usage,
         admission: Admission,
         error_event: Callable[[APIError], str],
     ) -> AsyncIterator[str]:
         """An SSE body: the encoder's events, an error event if the engine
-        fails mid-stream, then release the request."""
+        fails mid-stream, then release the request (and write its line)."""
+        if (record := current_record.get()) is not None:
+            record.is_streamed = True
+        return self._stream_events(events, usage, admission, error_event)
+
+    async def _stream_events(
+        self,
+        events: AsyncIterator[str],
+        usage: Usage,
+        admission: Admission,
+        error_event: Callable[[APIError], str],
+    ) -> AsyncIterator[str]:
         outcome = "cancelled"
         try:
             async with aclosing(events):
@@ -189,9 +225,9 @@ class Server:
             yield error_event(exc)
         finally:
             admission.release()
-            self.finished(endpoint, outcome, usage, status=200)  # the headers went out before the body
+            self.finished(outcome, usage, status=200)  # the headers went out before the body
 
-    async def json_response(self, endpoint: str, body: Awaitable[dict], usage: Usage, admission: Admission) -> dict:
+    async def json_response(self, body: Awaitable[dict], usage: Usage, admission: Admission) -> dict:
         outcome, status = "cancelled", 499  # client closed the request
         try:
             result = await body
@@ -205,13 +241,15 @@ class Server:
             raise
         finally:
             admission.release()
-            self.finished(endpoint, outcome, usage, status)
+            self.finished(outcome, usage, status)
 
-    def finished(self, endpoint: str, outcome: str, usage: Usage, status: int) -> None:
-        self.metrics.observe_finished(endpoint, outcome, usage, request_id())
+    def finished(self, outcome: str, usage: Usage, status: int) -> None:
+        """The line of a generation request, with its usage and timings."""
+        record = self._take_record()
+        self.metrics.observe_finished(record.endpoint, outcome, usage, request_id())
         log.info(
             "request.finished",
-            endpoint=endpoint,
+            endpoint=record.endpoint,
             outcome=outcome,
             status=status,
             finish_reason=usage.finish_reason,
@@ -220,6 +258,26 @@ class Server:
             generated_tokens=usage.completion_tokens,
             **{f"{k}_s": round(v, 6) for k, v in usage.timings.items()},
         )
+
+    def request_closed(self) -> None:
+        """The request context closes: the line of any request no generation path wrote
+        (refused, or not a generation), from its response status (499: none, the client left)."""
+        record = current_record.get()
+        if record is None or record.is_logged or record.is_streamed:
+            return
+        record.is_logged = True
+        status = record.status or 499
+        outcome = outcome_of(status)
+        self.metrics.requests.labels(record.endpoint, outcome).inc()
+        log.info("request.finished", endpoint=record.endpoint, outcome=outcome, status=status)
+
+    def _take_record(self) -> RequestRecord:
+        record = current_record.get()
+        if record is None:  # driven without the app (no HTTP request)
+            return RequestRecord("other", is_logged=True)
+        assert not record.is_logged, "one request.finished line per request"
+        record.is_logged = True
+        return record
 
     async def prepare(self, request: PromptRequest) -> PreparedPrompt:
         return (await self.prepare_many([request]))[0]
