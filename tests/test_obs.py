@@ -28,6 +28,7 @@ from atom_anyio.cli import serve
 from atom_anyio.config import Config
 from atom_anyio.obs.logging import configure_logging
 from atom_anyio.obs.logs_cli import summarize
+from atom_anyio.obs.runtime import GEN1_PER_FULL_COLLECTION
 
 pytestmark = pytest.mark.anyio
 
@@ -230,6 +231,14 @@ async def test_the_gc_timer_times_a_full_collection(atom):
     text = await scrape(client)
     assert value(text, "atom_gc_pause_seconds_count", generation="2") == before + 1
     assert value(text, "atom_gc_pause_seconds_sum", generation="2") > 0
+
+
+async def test_serving_freezes_the_heap_and_thins_full_collections_until_it_ends(tiny_model):
+    before = gc.get_threshold()
+    async with serving(tiny_model):
+        assert gc.get_freeze_count() > 0
+        assert gc.get_threshold() == (before[0], before[1], GEN1_PER_FULL_COLLECTION)
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
 
 
 # logs written by a real server

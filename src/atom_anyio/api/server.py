@@ -3,7 +3,6 @@ admission and the lifetime that owns them."""
 
 from __future__ import annotations
 
-import gc
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager
@@ -24,7 +23,7 @@ from atom_anyio.engine.loop import Engine, EngineDeadError, EngineError
 from atom_anyio.engine.sequence import Delta
 from atom_anyio.models.loader import LoadedModel, load_model
 from atom_anyio.obs.metrics import Metrics
-from atom_anyio.obs.runtime import GCTimer, freeze_heap, monitor_loop_lag
+from atom_anyio.obs.runtime import GCTimer, freeze_heap, monitor_loop_lag, thaw_heap
 from atom_anyio.parse import ParserSpec
 from atom_anyio.prompt.prepare import PrepareContext, PreparedPrompt, PromptError, PromptRequest, prepare_prompt
 from atom_anyio.prompt.segment_cache import SegmentCache
@@ -127,7 +126,7 @@ class Server:
         async with anyio.create_task_group() as tg:
             await tg.start(self._run_engine)
             await self._warm_up()
-            freeze_heap()
+            thresholds = freeze_heap()
             gc_timer.install()
             tg.start_soon(monitor_loop_lag, self.metrics.loop_lag)
             self.is_admitting = True
@@ -139,7 +138,7 @@ class Server:
                     while self.num_in_flight:
                         await self._idle.wait()
                 gc_timer.remove()
-                gc.unfreeze()
+                thaw_heap(thresholds)
                 tg.cancel_scope.cancel()
 
     async def _warm_up(self) -> None:
