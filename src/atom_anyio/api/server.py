@@ -236,7 +236,7 @@ class Server:
             outcome, status = "error", 500
             raise APIError(500, f"The engine failed while generating: {exc}", code="engine_error") from None
         except APIError as exc:
-            outcome, status = "error", exc.status
+            outcome, status = outcome_of(exc.status), exc.status
             raise
         finally:
             admission.release()
