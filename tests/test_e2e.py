@@ -91,7 +91,7 @@ def server(tiny_model_dir, tmp_path_factory) -> Iterator[Served]:
         api_key=API_KEY,
         log_format="json",
     )
-    cmd = [sys.executable, "-m", "hypercorn", "atom_anyio:app", "--bind", f"127.0.0.1:{port}"]
+    cmd = [sys.executable, "-m", "hypercorn", "atom_anyio:app", "--bind", f"127.0.0.1:{port}", "--access-logfile", "-"]
     with running(cmd, env, port, tmp_path_factory.mktemp("e2e") / "hypercorn.log") as served:
         yield served
 
@@ -308,14 +308,20 @@ def test_concurrent_streams_match_their_greedy_text_alone(server, client, model)
 # operations
 
 
-def test_logs_are_json_lines_from_atom_env(server, client, model) -> None:
+def test_every_line_hypercorn_prints_is_json_with_the_documented_keys(server, client, model) -> None:
     greedy_chat(client, model, max_tokens=2)
-    events = []
-    for line in server.log().splitlines():
-        if line.startswith("{"):
-            events.append(json.loads(line))
-    assert any(e.get("event") == "model.loaded" for e in events), server.log()
-    assert any(e.get("event") == "request.finished" and e.get("endpoint") == "chat" for e in events)
+    events = [json.loads(line) for line in server.log().splitlines()]  # stdout and stderr, every line
+    assert all({"event", "level", "timestamp", "logger"} <= set(e) for e in events), server.log()
+    assert any(e["event"] == "model.loaded" for e in events)
+    assert any(e["logger"] == "hypercorn.error" and e["event"].startswith("Running on") for e in events)
+    finished = [e for e in events if e["event"] == "request.finished" and e["endpoint"] == "chat"]
+    access = {e["request_id"]: e for e in events if e["event"] == "http.access"}
+    assert finished and all(e["outcome"] in ("ok", "refused") for e in finished)
+    for e in finished:
+        assert (access[e["request_id"]]["path"], access[e["request_id"]]["status"]) == (
+            "/v1/chat/completions",
+            e["status"],
+        )
 
 
 def test_atom_anyio_serve_answers_and_exits_zero_on_sigterm(tiny_model_dir, tmp_path) -> None:

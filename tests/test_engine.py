@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import random
+import tracemalloc
 import weakref
 
 import anyio
@@ -11,6 +12,8 @@ import pytest
 import torch
 
 from atom_anyio import LLM, SamplingParams
+from atom_anyio.engine.block_hash import block_hash_chain
+from atom_anyio.engine.block_manager import BlockManager
 from atom_anyio.engine.config import EngineConfig
 from atom_anyio.engine.loop import Engine, EngineError
 from atom_anyio.engine.sequence import Sequence
@@ -256,3 +259,40 @@ def test_generate_cli_prints_the_completion(tiny_model_dir, capsys):
         [{"role": "user", "content": "hello"}], SamplingParams(temperature=0, max_tokens=4)
     )
     assert capsys.readouterr().out == llm_text[0].outputs[0].text + "\n"
+
+
+def test_a_hash_collision_is_never_served_from_the_prefix_cache():
+    """Two prompts made to share block hashes: only the one whose tokens match the stored block hits."""
+    bm = BlockManager(num_blocks=8, block_size=4)
+    forged = [101, 102]
+
+    def sequence(token_ids: list[int]) -> Sequence:
+        return Sequence(token_ids, SamplingParams(max_tokens=1), None, None, list(forged))
+
+    first = sequence([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    bm.grow(first, len(first))
+    first.num_computed_tokens = len(first)
+    bm.commit(first)
+    bm.free_seq(first)
+    assert bm.match_prefix(sequence([1, 2, 3, 4, 5, 6, 7, 8, 9])) == bm.match_prefix(first) != []
+    assert len(bm.match_prefix(sequence([1, 2, 3, 4, 5, 6, 7, 8, 10]))) == 2
+    assert bm.match_prefix(sequence([1, 2, 3, 4, 5, 6, 0, 8, 9])) == bm.match_prefix(first)[:1]
+    assert bm.match_prefix(sequence([0, 2, 3, 4, 5, 6, 7, 8, 9])) == []
+
+
+def test_a_full_prefix_cache_costs_under_300_bytes_of_python_heap_per_block():
+    bm = BlockManager(num_blocks=2048, block_size=16)
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for n in range(bm.num_blocks // 4):
+        tokens = list(range(n * 64 + 1000, n * 64 + 1064))  # four full blocks
+        seq = Sequence(tokens, SamplingParams(max_tokens=1), None, None, block_hash_chain(tokens, 16))
+        bm.grow(seq, len(seq))
+        seq.num_computed_tokens = len(seq)
+        bm.commit(seq)
+        bm.free_seq(seq)
+        del seq, tokens
+    grown = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert len(bm.cached) == bm.num_blocks
+    assert grown / bm.num_blocks < 300

@@ -28,6 +28,7 @@ from atom_anyio.cli import serve
 from atom_anyio.config import Config
 from atom_anyio.obs.logging import configure_logging
 from atom_anyio.obs.logs_cli import summarize
+from atom_anyio.obs.runtime import GEN1_PER_FULL_COLLECTION
 
 pytestmark = pytest.mark.anyio
 
@@ -195,13 +196,16 @@ async def test_metrics_output_does_not_grow_with_requests_served(atom):
 
     for generation in range(3):  # every generation label exists before the first count
         gc.collect(generation)
+    await scrape(client)  # the scrapes' own series exist before the first count
     await serve_requests(10)
     after_10 = (await scrape(client)).splitlines()
     await serve_requests(190)
     after_200 = (await scrape(client)).splitlines()
     assert len(after_200) == len(after_10)
-    requests_total = [line for line in after_200 if line.startswith("atom_requests_total")]
-    assert sum(float(line.split()[-1]) for line in requests_total) == 200
+    generation_total = [
+        line for line in after_200 if line.startswith("atom_requests_total") and 'endpoint="metrics"' not in line
+    ]
+    assert sum(float(line.split()[-1]) for line in generation_total) == 200
 
 
 # event loop and GC
@@ -227,6 +231,14 @@ async def test_the_gc_timer_times_a_full_collection(atom):
     text = await scrape(client)
     assert value(text, "atom_gc_pause_seconds_count", generation="2") == before + 1
     assert value(text, "atom_gc_pause_seconds_sum", generation="2") > 0
+
+
+async def test_serving_freezes_the_heap_and_thins_full_collections_until_it_ends(tiny_model):
+    before = gc.get_threshold()
+    async with serving(tiny_model):
+        assert gc.get_freeze_count() > 0
+        assert gc.get_threshold() == (before[0], before[1], GEN1_PER_FULL_COLLECTION)
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
 
 
 # logs written by a real server
@@ -262,8 +274,8 @@ async def test_every_server_log_line_is_json_with_the_documented_keys(tiny_model
     by_event: dict[str, list[dict]] = {}
     for line in lines:
         by_event.setdefault(line["event"], []).append(line)
-    finished = {line["request_id"]: line for line in by_event["request.finished"]}
-    assert set(finished) == {"client-id-1", generated_id}
+    finished = {line["request_id"]: line for line in by_event["request.finished"] if line["endpoint"] == "chat"}
+    assert set(finished) == {"client-id-1", generated_id, refused.headers["x-request-id"]}
     one = finished["client-id-1"]
     assert one["endpoint"] == "chat" and one["outcome"] == "ok" and one["status"] == 200
     assert one["finish_reason"] in ("stop", "length") and one["generated_tokens"] <= 3
@@ -280,8 +292,66 @@ async def test_every_server_log_line_is_json_with_the_documented_keys(tiny_model
     log_file = tmp_path / "server.log"
     log_file.write_text(log_stream.getvalue())
     summary = summarize(log_file)
-    assert summary["num_requests"] == 2 and summary["outcomes"] == {"ok": 2}
-    assert summary["errors"] == {"http 400 POST /v1/chat/completions": 1}
+    num_health = len(by_event["request.finished"]) - 3
+    assert summary["endpoints"] == {"chat": 3, "health": num_health}
+    assert summary["outcomes"] == {"ok": 2 + num_health, "refused": 1}
+    assert summary["errors"] == {"request chat refused 400": 1}
+
+
+async def test_every_request_writes_one_finished_line_with_a_bounded_endpoint_label(tiny_model, log_stream):
+    config = Config(max_model_len=2048, kv_cache_gib=0.05, api_key="k", max_body_bytes=65536)
+    auth = {"Authorization": "Bearer k"}
+    as_json = {"Content-Type": "application/json"}
+    long_chat = {"messages": [{"role": "user", "content": "river " * 3000}], "max_tokens": 2}
+    atom = AtomApp(config, loaded=tiny_model)
+    async with atom.server.serving():
+        client = atom.quart.test_client()
+
+        async def call(rid: str, method: str, path: str, headers: dict | None = None, **kw: Any) -> int:
+            r = await client.open(path, method=method, headers={"x-request-id": rid, **auth, **(headers or {})}, **kw)
+            await r.get_data()
+            return r.status_code
+
+        statuses = {
+            "ok": await call("ok", "POST", "/v1/chat/completions", json=chat(2)),
+            "streamed": await call("streamed", "POST", "/v1/chat/completions", json=chat(2, stream=True)),
+            "bad-json": await call("bad-json", "POST", "/v1/chat/completions", data=b"{not json", headers=as_json),
+            "no-key": await call(
+                "no-key", "POST", "/v1/completions", json={"prompt": "x"}, headers={"Authorization": ""}
+            ),
+            "too-long": await call("too-long", "POST", "/v1/chat/completions", json=long_chat),
+            "too-large": await call("too-large", "POST", "/v1/completions", data=b"x" * 70000, headers=as_json),
+            "unknown-path": await call("unknown-path", "GET", "/v1/secret-client-chosen-path"),
+            "wrong-method": await call("wrong-method", "GET", "/v1/chat/completions"),
+            "models": await call("models", "GET", "/v1/models"),
+        }
+        metrics_text = await scrape(client)
+    assert statuses == {
+        "ok": 200, "streamed": 200, "bad-json": 400, "no-key": 401, "too-long": 400, "too-large": 413,
+        "unknown-path": 404, "wrong-method": 405, "models": 200,
+    }  # fmt: skip
+    lines = [json.loads(line) for line in log_stream.getvalue().splitlines()]
+    finished = [line for line in lines if line["event"] == "request.finished"]
+    by_id = {line["request_id"]: line for line in finished if line["request_id"] in statuses}
+    assert sorted(line["request_id"] for line in finished if line["request_id"] in statuses) == sorted(statuses)
+    assert {rid: (line["endpoint"], line["status"], line["outcome"]) for rid, line in by_id.items()} == {
+        "ok": ("chat", 200, "ok"),
+        "streamed": ("chat", 200, "ok"),
+        "bad-json": ("chat", 400, "refused"),
+        "no-key": ("completions", 401, "refused"),
+        "too-long": ("chat", 400, "refused"),
+        "too-large": ("completions", 413, "refused"),
+        "unknown-path": ("other", 404, "refused"),
+        "wrong-method": ("other", 405, "refused"),
+        "models": ("models", 200, "ok"),
+    }
+    assert by_id["ok"]["generated_tokens"] <= 2 and "e2e_s" in by_id["ok"]
+    assert value(metrics_text, "atom_requests_total", endpoint="chat", outcome="refused") == 2
+    assert value(metrics_text, "atom_requests_total", endpoint="other", outcome="refused") == 2
+    assert value(metrics_text, "atom_requests_total", endpoint="chat", outcome="ok") == 2
+    assert "secret-client-chosen-path" not in metrics_text
+    labels = {s.labels["endpoint"] for s in samples(metrics_text)["atom_requests"]}
+    assert labels == {"chat", "completions", "other", "models"}
 
 
 # atom-anyio logs
@@ -298,7 +368,7 @@ def finished_line(i: int, t: float, outcome: str = "ok", **fields: Any) -> str:
         "request_id": f"r{i}",
         "endpoint": "chat",
         "outcome": outcome,
-        "status": {"ok": 200, "error": 500, "cancelled": 499}[outcome],
+        "status": {"ok": 200, "error": 500, "cancelled": 499, "refused": 400}[outcome],
         "finish_reason": "length",
         **fields,
     }
@@ -309,7 +379,8 @@ def finished_line(i: int, t: float, outcome: str = "ok", **fields: Any) -> str:
 def known_log(tmp_path):
     """100 ok requests one second apart (ttft i/100 s, e2e i/10 s, i*10 prompt
     tokens, 64 generated), 3 engine errors, 2 cancellations, 4 refused
-    requests in the access log, one error event and lines that are not JSON objects."""
+    requests (each with its access-log line too), one error event and lines
+    that are not JSON objects."""
     lines = []
     for i in range(1, 101):
         lines.append(
@@ -326,6 +397,7 @@ def known_log(tmp_path):
         lines.append(finished_line(i, T0 + 101, "cancelled", e2e_s=0.2, generated_tokens=2))
     access = {"event": "http.access", "level": "info", "method": "POST", "path": "/v1/chat/completions"}
     lines += [json.dumps({**access, "status": 400, "timestamp": "2026-01-01T00:00:00Z"})] * 4
+    lines += [finished_line(i, T0, "refused") for i in range(106, 110)]
     lines.append(json.dumps({"event": "engine.step_failed", "level": "error", "timestamp": "2026-01-01T00:00:00Z"}))
     path = tmp_path / "known.log"
     path.write_text("\n".join(lines) + "\n")
@@ -335,10 +407,10 @@ def known_log(tmp_path):
 def test_logs_summary_counts_errors_and_gives_exact_percentiles(known_log):
     s = summarize(known_log, window_s=60, num_slowest=3)
     assert s["num_skipped"] == 16
-    assert s["num_requests"] == 105
-    assert s["outcomes"] == {"ok": 100, "error": 3, "cancelled": 2}
+    assert s["num_requests"] == 109
+    assert s["outcomes"] == {"ok": 100, "error": 3, "cancelled": 2, "refused": 4}
     assert s["errors"] == {
-        "http 400 POST /v1/chat/completions": 4,
+        "request chat refused 400": 4,  # once each: the access-log lines are not counted again
         "request chat error 500": 3,
         "request chat cancelled 499": 2,
         "event engine.step_failed": 1,
@@ -355,8 +427,8 @@ def test_logs_summary_counts_errors_and_gives_exact_percentiles(known_log):
         assert (got["p50"], got["p90"], got["p99"]) == pytest.approx((cuts[49], cuts[89], cuts[98])), name
         assert got["max"] == pytest.approx(max(values))
     assert s["percentiles"]["generated_tokens"]["p99"] == 64
-    assert [(w["start_s"], w["requests"], w["errors"]) for w in s["windows"]] == [(0, 60, 0), (60, 45, 5)]
-    assert s["windows"][0]["requests_per_s"] == pytest.approx(1.0)
+    assert [(w["start_s"], w["requests"], w["errors"]) for w in s["windows"]] == [(0, 64, 4), (60, 45, 5)]
+    assert s["windows"][0]["requests_per_s"] == pytest.approx(64 / 60)
     assert s["windows"][0]["generated_tok_per_s"] == pytest.approx(64.0)
     first_minute_ttft = statistics.quantiles([i / 100 for i in range(1, 61)], n=100, method="inclusive")
     assert s["windows"][0]["ttft_p50_s"] == pytest.approx(first_minute_ttft[49])
@@ -366,10 +438,10 @@ def test_logs_summary_counts_errors_and_gives_exact_percentiles(known_log):
 def test_logs_summary_command_prints_tables_or_json(known_log, capsys):
     assert cli_main(["logs", "summary", str(known_log), "--window", "60", "--slowest", "2"]) == 0
     text = capsys.readouterr().out
-    assert "105 requests" in text and "r100" in text and "r99" in text and "r98" not in text
+    assert "109 requests" in text and "r100" in text and "r99" in text and "r98" not in text
     assert cli_main(["logs", "summary", str(known_log), "--json"]) == 0
     s = json.loads(capsys.readouterr().out)
-    assert s["num_requests"] == 105 and len(s["slowest"]) == 10
+    assert s["num_requests"] == 109 and len(s["slowest"]) == 10
 
 
 def test_logs_plot_writes_a_png(known_log, tmp_path, capsys):

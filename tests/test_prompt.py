@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import logging
@@ -362,6 +363,17 @@ def test_cache_is_bounded_by_tokens_and_evicts_least_recently_used(tiny_tokenize
     assert cache.encode(texts[0]).num_hit_tokens == 1  # only the "\n" piece is still cached
     cache.encode("<|im_start|>" + "a very long piece " * 40)  # more tokens than the whole cache
     assert 0 < cache.num_cached_tokens <= 60
+
+
+def test_cached_pieces_add_no_objects_for_the_gc_to_walk(tiny_tokenizer):
+    cache = SegmentCache(tiny_tokenizer)
+    gc.collect()
+    tracked_before = len(gc.get_objects())
+    for n in range(2000):
+        assert cache.encode(f"<|im_start|>user\nmessage {n}: the river<|im_end|>\n").num_hit_tokens >= 0
+    gc.collect()
+    assert cache.num_cached_tokens > 2000
+    assert len(gc.get_objects()) - tracked_before < 200  # not one per cached piece
 
 
 # prepare: resending the history

@@ -28,7 +28,7 @@ def messages_blueprint(server: Server) -> Blueprint:
     async def messages() -> Any:
         req = await parse_body(MessagesRequest)
         server.check_model(req.model)
-        admission = server.admit("messages")
+        admission = server.admit()
         try:
             prepared = await server.prepare(req.prompt_request(req.max_tokens, req.structured(server.parser_spec)))
             encoder = MessageEncoder(server, req, prepared)

@@ -22,7 +22,7 @@ from atom_anyio.api.misc import misc_blueprint
 from atom_anyio.api.openai_chat import chat_blueprint
 from atom_anyio.api.openai_completions import completions_blueprint
 from atom_anyio.api.responses import responses_blueprint
-from atom_anyio.api.server import Server, connection_scope
+from atom_anyio.api.server import RequestRecord, Server, connection_scope, current_record
 from atom_anyio.config import Config
 from atom_anyio.models.loader import LoadedModel
 from atom_anyio.obs.logging import configure_logging
@@ -110,15 +110,22 @@ def build_quart(server: Server) -> Quart:
         structlog.contextvars.clear_contextvars()
         rid = request.headers.get("x-request-id", "")[:128] or uuid.uuid4().hex
         structlog.contextvars.bind_contextvars(request_id=rid, method=request.method, path=request.path)
+        current_record.set(RequestRecord(endpoint_label()))
 
     @app.after_request
     async def return_request_id(response: Any) -> Any:
         rid = structlog.contextvars.get_contextvars().get("request_id")
         if rid:
             response.headers["x-request-id"] = rid
+        if (record := current_record.get()) is not None:
+            record.status = response.status_code
         return response
 
     add_cors(app, server.config.cors_allow_origins)
+
+    @app.teardown_request
+    async def log_request(_: BaseException | None) -> None:
+        server.request_closed()
 
     @app.before_request
     async def authenticate() -> None:
@@ -188,6 +195,13 @@ def add_cors(app: Quart, allow_origins: str) -> None:
             response.headers["Access-Control-Expose-Headers"] = "X-Request-Id, Retry-After"
             response.headers.add("Vary", "Origin")
         return response
+
+
+def endpoint_label() -> str:
+    """The matched route's endpoint name (its blueprint prefix dropped); "other" for
+    a path no route matches, so a label never carries a client-chosen string."""
+    rule = request.url_rule
+    return rule.endpoint.rpartition(".")[2] if rule is not None and rule.endpoint else "other"
 
 
 def error_response(err: APIError) -> Any:

@@ -32,7 +32,7 @@ from atom_anyio.prompt.prepare import PromptRequest
 def chat_blueprint(server: Server) -> Blueprint:
     bp = Blueprint("openai_chat", __name__)
 
-    @bp.post("/v1/chat/completions")
+    @bp.post("/v1/chat/completions", endpoint="chat")
     async def chat_completions() -> Any:
         req = await parse_body(ChatCompletionRequest)
         server.check_model(req.model)
@@ -47,7 +47,7 @@ def chat_blueprint(server: Server) -> Blueprint:
             truncate_prompt_tokens=req.truncate_prompt_tokens,
             structured=req.structured(server.parser_spec),
         )
-        admission = server.admit("chat", req.n)
+        admission = server.admit(req.n)
         try:
             prepared = await server.prepare(prompt)
             params = req.sampling_params(prepared.max_tokens, (req.top_logprobs or 0) if req.logprobs else None)

@@ -47,7 +47,7 @@ def completions_blueprint(server: Server) -> Blueprint:
             for p in req.prompts()
         ]
         encoder = CompletionEncoder(server, req)
-        admission = server.admit("completions", encoder.num_choices)
+        admission = server.admit(encoder.num_choices)
         try:
             prepared = await server.prepare_many(prompts)
             # usage counts every prompt; Usage.add() only raises it to one prompt's count

@@ -25,7 +25,7 @@ def responses_blueprint(server: Server) -> Blueprint:
     cfg = server.config
     store = bp.store = ResponseStore(cfg.responses_store_max_items, cfg.responses_store_ttl_s)
 
-    @bp.post("/v1/responses")
+    @bp.post("/v1/responses", endpoint="responses")
     async def create() -> Any:
         req = await parse_body(ResponsesRequest)
         server.check_model(req.model)
@@ -40,7 +40,7 @@ def responses_blueprint(server: Server) -> Blueprint:
             truncation=req.truncation,
             structured=req.structured(server.parser_spec, tools),
         )
-        admission = server.admit("responses")
+        admission = server.admit()
         try:
             prepared = await _prepare(server, prompt)
             encoder = ResponseEncoder(server, req, tools, prepared, store, history + new_items)
@@ -53,14 +53,14 @@ def responses_blueprint(server: Server) -> Blueprint:
             return sse_response(server.stream_events(events, encoder.usage, admission, encoder.error))
         return await server.json_response(encoder.run(stream), encoder.usage, admission)
 
-    @bp.get("/v1/responses/<response_id>")
+    @bp.get("/v1/responses/<response_id>", endpoint="get_response")
     async def retrieve(response_id: str) -> Any:
         entry = store.get(response_id)
         if entry is None:
             raise _not_found(response_id)
         return entry.response
 
-    @bp.delete("/v1/responses/<response_id>")
+    @bp.delete("/v1/responses/<response_id>", endpoint="delete_response")
     async def delete(response_id: str) -> Any:
         if not store.delete(response_id):
             raise _not_found(response_id)

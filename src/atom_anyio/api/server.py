@@ -4,11 +4,11 @@ admission and the lifetime that owns them."""
 from __future__ import annotations
 
 import dataclasses
-import gc
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import aclosing, asynccontextmanager, contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ from atom_anyio.engine.loop import Engine, EngineDeadError, EngineError
 from atom_anyio.engine.stream import DeltaStream
 from atom_anyio.models.loader import LoadedModel, load_model
 from atom_anyio.obs.metrics import Metrics
-from atom_anyio.obs.runtime import GCTimer, freeze_heap, monitor_loop_lag
+from atom_anyio.obs.runtime import GCTimer, freeze_heap, monitor_loop_lag, thaw_heap
 from atom_anyio.parse import ParserSpec
 from atom_anyio.parse.reasoning import opens_reasoning
 from atom_anyio.prompt.prepare import PrepareContext, PreparedPrompt, PromptError, PromptRequest, prepare_prompt
@@ -39,6 +39,30 @@ def request_id() -> str | None:
     return structlog.contextvars.get_contextvars().get("request_id")
 
 
+@dataclass
+class RequestRecord:
+    """One HTTP request's ``request.finished`` line, written exactly once: by the
+    generation path with its usage (an SSE body when it ends), else by the app
+    when the request context closes, from the response status."""
+
+    endpoint: str  # the route's label, or "other": a bounded set of values
+    status: int | None = None  # the response's, once there is one
+    is_streamed: bool = False
+    is_logged: bool = False
+
+
+current_record: ContextVar[RequestRecord | None] = ContextVar("atom_request_record", default=None)
+
+
+def outcome_of(status: int) -> str:
+    """ok below 400, refused for a client error, cancelled for 499 (the client left), else error."""
+    if status < 400:
+        return "ok"
+    if status == 499:
+        return "cancelled"
+    return "refused" if status < 500 else "error"
+
+
 class Admission:
     """One request from admission to its last byte: counted in flight (and
     its sequences as waiting until submitted), finished exactly once. If the
@@ -46,9 +70,9 @@ class Admission:
     HTTP connection's end finishes it: the stream is closed, so the engine
     aborts its sequences, and the request is released."""
 
-    def __init__(self, server: Server, endpoint: str, num_seqs: int):
+    def __init__(self, server: Server, num_seqs: int):
         self.server = server
-        self.endpoint = endpoint
+        self.record = current_record.get()  # the connection's scope may finish it outside the request
         self.num_seqs = num_seqs
         self.stream: DeltaStream | None = None
         self.is_finished = False
@@ -74,7 +98,7 @@ class Admission:
     def finish(self, outcome: str, usage: Usage, status: int) -> None:
         if not self.is_finished:
             self.release()
-            self.server.finished(self.endpoint, outcome, usage, status)
+            self.server.finished(outcome, usage, status, self.record)
 
 
 _connection_admissions: ContextVar[list[Admission] | None] = ContextVar("connection_admissions", default=None)
@@ -161,7 +185,7 @@ class Server:
         async with anyio.create_task_group() as tg:
             await tg.start(self._run_engine)
             await self._warm_up()
-            freeze_heap()
+            thresholds = freeze_heap()
             gc_timer.install()
             tg.start_soon(monitor_loop_lag, self.metrics.loop_lag)
             self.is_admitting = True
@@ -171,7 +195,7 @@ class Server:
                 with anyio.CancelScope(shield=True):
                     await self.drain()
                 gc_timer.remove()
-                gc.unfreeze()
+                thaw_heap(thresholds)
                 self.grammars.close()
                 tg.cancel_scope.cancel()
 
@@ -241,7 +265,7 @@ class Server:
 
     # per request
 
-    def admit(self, endpoint: str, num_seqs: int = 1) -> Admission:
+    def admit(self, num_seqs: int = 1) -> Admission:
         """Count a request in flight until finished; 503 when not serving or
         when its sequences would overflow the waiting queue (prompt tokens
         are only known after prepare: ``submit`` checks those)."""
@@ -262,7 +286,7 @@ class Server:
         waiting = self.num_waiting_seqs
         if waiting and waiting + num_seqs > self.config.max_waiting_seqs:
             raise self._overloaded("max_waiting_seqs", f"{waiting} sequences are waiting")
-        return Admission(self, endpoint, num_seqs)
+        return Admission(self, num_seqs)
 
     def _overloaded(self, limit: str, detail: str) -> APIError:
         self.metrics.rejected.labels(limit).inc()
@@ -281,7 +305,7 @@ class Server:
             self._idle.set()
             self._idle = anyio.Event()
 
-    async def stream_events(
+    def stream_events(
         self,
         events: AsyncIterator[str],
         usage: Usage,
@@ -289,7 +313,18 @@ class Server:
         error_event: Callable[[APIError], str],
     ) -> AsyncIterator[str]:
         """An SSE body: the encoder's events, an error event if the engine
-        fails mid-stream, then release the request."""
+        fails mid-stream, then release the request (and write its line)."""
+        if (record := current_record.get()) is not None:
+            record.is_streamed = True
+        return self._stream_events(events, usage, admission, error_event)
+
+    async def _stream_events(
+        self,
+        events: AsyncIterator[str],
+        usage: Usage,
+        admission: Admission,
+        error_event: Callable[[APIError], str],
+    ) -> AsyncIterator[str]:
         outcome = "cancelled"
         try:
             async with aclosing(events):
@@ -315,16 +350,18 @@ class Server:
             outcome, status = "error", 500
             raise APIError(500, f"The engine failed while generating: {exc}", code="engine_error") from None
         except APIError as exc:
-            outcome, status = "error", exc.status
+            outcome, status = outcome_of(exc.status), exc.status
             raise
         finally:
             admission.finish(outcome, usage, status)
 
-    def finished(self, endpoint: str, outcome: str, usage: Usage, status: int) -> None:
-        self.metrics.observe_finished(endpoint, outcome, usage, request_id())
+    def finished(self, outcome: str, usage: Usage, status: int, record: RequestRecord | None = None) -> None:
+        """The line of a generation request, with its usage and timings."""
+        record = self._take_record(record)
+        self.metrics.observe_finished(record.endpoint, outcome, usage, request_id())
         log.info(
             "request.finished",
-            endpoint=endpoint,
+            endpoint=record.endpoint,
             outcome=outcome,
             status=status,
             finish_reason=usage.finish_reason,
@@ -333,6 +370,26 @@ class Server:
             generated_tokens=usage.completion_tokens,
             **{f"{k}_s": round(v, 6) for k, v in usage.timings.items()},
         )
+
+    def request_closed(self) -> None:
+        """The request context closes: the line of any request no generation path wrote
+        (refused, or not a generation), from its response status (499: none, the client left)."""
+        record = current_record.get()
+        if record is None or record.is_logged or record.is_streamed:
+            return
+        record.is_logged = True
+        status = record.status or 499
+        outcome = outcome_of(status)
+        self.metrics.requests.labels(record.endpoint, outcome).inc()
+        log.info("request.finished", endpoint=record.endpoint, outcome=outcome, status=status)
+
+    def _take_record(self, record: RequestRecord | None) -> RequestRecord:
+        record = record or current_record.get()
+        if record is None:  # driven without the app (no HTTP request)
+            return RequestRecord("other", is_logged=True)
+        assert not record.is_logged, "one request.finished line per request"
+        record.is_logged = True
+        return record
 
     async def prepare(self, request: PromptRequest) -> PreparedPrompt:
         return (await self.prepare_many([request]))[0]

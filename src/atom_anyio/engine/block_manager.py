@@ -11,11 +11,15 @@
 * A block's hash is set only once all of its tokens' KV has been computed,
   so a hit never reads KV that is still being written.
 * A hit is verified against the block's stored tokens: a hash collision can
-  never serve another prompt's KV.
+  never serve another prompt's KV. The tokens live in one preallocated
+  ``array('i')`` (``block_size`` slots per block), so the metadata of a full
+  prefix cache is a fixed ``4 * num_blocks * block_size`` bytes plus one hash
+  int and one dict entry per cached block, and nothing the GC has to walk.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 
 from atom_anyio.engine.block_hash import ROOT_HASH, hash_block
@@ -23,19 +27,19 @@ from atom_anyio.engine.sequence import Sequence
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "hash")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
         self.hash: int | None = None
-        self.token_ids: tuple[int, ...] = ()
 
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int):
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
+        self.block_tokens = array("i", bytes(4 * num_blocks * block_size))  # a cached block's tokens, by block id
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[int, int] = {}  # hash -> block id
         self.num_hit_tokens = 0  # prefix-cache hits since start (a counter for metrics)
@@ -65,7 +69,7 @@ class BlockManager:
         bs = self.block_size
         for i, h in enumerate(seq.block_hashes[: (len(seq) - 1) // bs]):
             block_id = self.cached.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != tuple(seq.token_ids[i * bs : (i + 1) * bs]):
+            if block_id is None or self._tokens(block_id) != array("i", seq.token_ids[i * bs : (i + 1) * bs]):
                 break
             hits.append(block_id)
         return hits
@@ -90,6 +94,9 @@ class BlockManager:
         seq.num_cached_tokens = max(seq.num_cached_tokens, seq.num_computed_tokens)
         self.num_hit_tokens += seq.num_computed_tokens
 
+    def _tokens(self, block_id: int) -> array:
+        return self.block_tokens[block_id * self.block_size : (block_id + 1) * self.block_size]
+
     # allocation
 
     def num_blocks_to_grow(self, seq: Sequence, num_new_tokens: int) -> int:
@@ -102,7 +109,7 @@ class BlockManager:
             block = self.blocks[block_id]
             if block.hash is not None:
                 del self.cached[block.hash]
-                block.hash, block.token_ids = None, ()
+                block.hash = None
             block.ref_count = 1
             seq.block_table.append(block_id)
 
@@ -119,7 +126,10 @@ class BlockManager:
             block = self.blocks[seq.block_table[i]]
             h = seq.block_hashes[i]
             if block.hash is None and h not in self.cached:  # else: computed twice, keep the first
-                block.hash, block.token_ids = h, tuple(seq.token_ids[i * bs : (i + 1) * bs])
+                block.hash = h
+                self.block_tokens[block.block_id * bs : (block.block_id + 1) * bs] = array(
+                    "i", seq.token_ids[i * bs : (i + 1) * bs]
+                )
                 self.cached[h] = block.block_id
         seq.num_committed_blocks = max(seq.num_committed_blocks, num_full)
 

@@ -22,8 +22,23 @@ ACCESS_LOGGER = "hypercorn.access"
 
 # libraries that print through a console handler of their own; routed through the root handler instead
 SELF_HANDLED_LOGGERS = ("transformers",)
+# hypercorn gives these a console handler in its own format each time it builds its logging, which under
+# ``hypercorn atom_anyio:app`` is after the app has started: a filter on the logger outlives that
+HYPERCORN_LOGGERS = ("hypercorn.error", ACCESS_LOGGER)
 
 _handler: logging.Handler | None = None
+
+
+class ThroughRootHandler(logging.Filter):
+    """On a logger: hand each record to the root handler (JSON) instead of the logger's own
+    console handlers; a logger that writes to a file (``--access-logfile PATH``) keeps its own."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        own = logging.getLogger(record.name).handlers
+        if _handler is None or any(type(h) is not logging.StreamHandler for h in own):
+            return True
+        _handler.handle(record)
+        return False
 
 
 def access_fields(_: Any, __: str, event: EventDict) -> EventDict:
@@ -86,6 +101,10 @@ def configure_logging(fmt: str = "auto", level: str = "info", stream: TextIO | N
         for h in consoles:
             lib.removeHandler(h)
         lib.propagate = lib.propagate or bool(consoles)
+    for name in HYPERCORN_LOGGERS:
+        lib = logging.getLogger(name)
+        if not any(isinstance(f, ThroughRootHandler) for f in lib.filters):
+            lib.addFilter(ThroughRootHandler())
     logging.captureWarnings(True)
     structlog.configure(
         processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],

@@ -60,11 +60,10 @@ class LogSummary:
             self.num_skipped += 1
             return
         name = event.get("event")
-        if name == "request.finished":
+        if name == "request.finished":  # every request has one, refused ones too
             self.add_request(event)
         elif name == "http.access":
-            if (status := event.get("status")) and status >= 400:
-                self.errors[f"http {status} {event.get('method')} {event.get('path')}"] += 1
+            pass  # the same request as its request.finished line
         elif event.get("level") in ("error", "critical"):
             self.errors[f"event {name}"] += 1
         elif event.get("level") == "warning":

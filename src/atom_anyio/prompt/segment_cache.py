@@ -30,6 +30,8 @@ _WHITESPACE = frozenset("\t\n\v\f\r \x85\xa0\u1680\u2028\u2029\u202f\u205f\u3000
     chr(c) for c in range(0x2000, 0x200B)
 }
 
+_INT32 = array("i").itemsize  # bytes per packed token id
+
 _PROBE_SNIPPETS = (
     "system\nYou are a helpful assistant.",
     "user\n Hello   world!\n\n",
@@ -69,6 +71,10 @@ class Tokenized:
 class SegmentCache:
     """Thread-safe tokenizer front end with an LRU of text pieces, bounded by total cached tokens.
 
+    An entry is the piece's ``str`` and its ids packed in ``bytes`` (int32): about
+    ``len(piece) + 4 * num_tokens + 200`` bytes, and no object the GC tracks (an
+    ``array`` is tracked, so a full collection would walk every entry).
+
     ``encode(text)`` equals ``tokenizer(text, add_special_tokens=False)["input_ids"]``;
     ``encode(text, add_special_tokens=True)`` equals ``tokenizer(text)["input_ids"]``.
     """
@@ -79,7 +85,7 @@ class SegmentCache:
         self.tokenizer = tokenizer
         self.max_tokens = max_tokens
         self._lock = threading.Lock()
-        self._pieces: OrderedDict[str, array] = OrderedDict()  # piece -> ids, least recently used first
+        self._pieces: OrderedDict[str, bytes] = OrderedDict()  # piece -> int32 ids, least recently used first
         self._num_cached_tokens = 0
         specials = {i: t for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special}
         self._special_re = _special_token_pattern(specials)
@@ -115,7 +121,7 @@ class SegmentCache:
         pieces, specials = self._split(text)
         cached = self._lookup(pieces)
         missing = list(dict.fromkeys(p for p in pieces if p and p not in cached))
-        encoded = dict(zip(missing, map(_ids_array, self._encode_batch(missing)), strict=True)) if missing else {}
+        encoded = dict(zip(missing, self._encode_batch(missing), strict=True)) if missing else {}
         if encoded:
             self._store(encoded)
         token_ids = list(self._prefix_ids) if add_special_tokens else []
@@ -166,25 +172,25 @@ class SegmentCache:
         pieces.append(text[start:])
         return pieces, specials
 
-    def _lookup(self, pieces: Sequence[str]) -> dict[str, array]:
+    def _lookup(self, pieces: Sequence[str]) -> dict[str, memoryview]:
         hits = {}
         with self._lock:
             for piece in pieces:
-                ids = self._pieces.get(piece)
-                if ids is not None:
+                packed = self._pieces.get(piece)
+                if packed is not None:
                     self._pieces.move_to_end(piece)
-                    hits[piece] = ids
+                    hits[piece] = memoryview(packed).cast("i")
         return hits
 
-    def _store(self, encoded: dict[str, array]) -> None:
+    def _store(self, encoded: dict[str, list[int]]) -> None:
         with self._lock:
             for piece, ids in encoded.items():
                 if piece not in self._pieces and len(ids) <= self.max_tokens:
-                    self._pieces[piece] = ids
+                    self._pieces[piece] = array("i", ids).tobytes()
                     self._num_cached_tokens += len(ids)
             while self._num_cached_tokens > self.max_tokens:
-                _, ids = self._pieces.popitem(last=False)
-                self._num_cached_tokens -= len(ids)
+                _, packed = self._pieces.popitem(last=False)
+                self._num_cached_tokens -= len(packed) // _INT32
 
     def _encode_batch(self, pieces: list[str]) -> list[list[int]]:
         if self._backend is not None:
@@ -212,10 +218,6 @@ class SegmentCache:
         finally:
             self.clear()
         return True
-
-
-def _ids_array(ids: Sequence[int]) -> array:
-    return array("i", ids)
 
 
 def _special_token_pattern(specials: dict[int, Any]) -> re.Pattern | None:
