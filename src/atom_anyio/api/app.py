@@ -18,6 +18,7 @@ from werkzeug.exceptions import HTTPException
 from atom_anyio.api.anthropic import messages_blueprint
 from atom_anyio.api.errors import APIError
 from atom_anyio.api.misc import misc_blueprint
+from atom_anyio.api.openapi import openapi_blueprint
 from atom_anyio.api.openai_chat import chat_blueprint
 from atom_anyio.api.openai_completions import completions_blueprint
 from atom_anyio.api.responses import responses_blueprint
@@ -28,7 +29,7 @@ from atom_anyio.obs.logging import configure_logging
 
 log = structlog.get_logger("atom_anyio.app")
 
-OPEN_PATHS = ("/health", "/metrics", "/version")
+OPEN_PATHS = ("/health", "/metrics", "/version", "/openapi.json")
 
 
 class AtomApp:
@@ -91,6 +92,7 @@ def build_quart(server: Server) -> Quart:
     app.register_blueprint(misc_blueprint(server))
     app.register_blueprint(messages_blueprint(server))
     app.register_blueprint(responses_blueprint(server))
+    app.register_blueprint(openapi_blueprint())
 
     @app.before_request
     async def bind_request_id() -> None:
