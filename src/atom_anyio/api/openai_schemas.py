@@ -117,6 +117,14 @@ class ChatMessage(Lenient):
     tool_call_id: str | None = None
     reasoning_content: str | None = None
 
+    @field_validator("tool_calls")
+    @classmethod
+    def _tool_calls(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        for i, call in enumerate(v or []):
+            if not isinstance(call.get("function"), dict):
+                raise ValueError(f"tool call {i} needs a 'function' object")
+        return v
+
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
