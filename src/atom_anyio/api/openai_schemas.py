@@ -16,9 +16,10 @@ MAX_N = 128
 
 
 class Lenient(BaseModel):
-    """Unknown fields are ignored, as the official API's clients send many."""
+    """Unknown fields are ignored, as the official API's clients send many. Known fields are
+    strict: a boolean or a numeric string is not a number, as the official APIs answer."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(Lenient):
