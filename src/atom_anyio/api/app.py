@@ -18,9 +18,9 @@ from werkzeug.exceptions import HTTPException
 from atom_anyio.api.anthropic import messages_blueprint
 from atom_anyio.api.errors import APIError
 from atom_anyio.api.misc import misc_blueprint
-from atom_anyio.api.openapi import openapi_blueprint
 from atom_anyio.api.openai_chat import chat_blueprint
 from atom_anyio.api.openai_completions import completions_blueprint
+from atom_anyio.api.openapi import openapi_blueprint
 from atom_anyio.api.responses import responses_blueprint
 from atom_anyio.api.server import Server
 from atom_anyio.config import Config
