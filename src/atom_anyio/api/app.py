@@ -7,6 +7,7 @@ loads nothing heavy: the model is loaded when the lifespan starts.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import uuid
 from typing import Any
@@ -105,6 +106,15 @@ def build_quart(server: Server) -> Quart:
         rid = structlog.contextvars.get_contextvars().get("request_id")
         if rid:
             response.headers["x-request-id"] = rid
+        return response
+
+    @app.after_request
+    async def receive_the_body(response: Any) -> Any:
+        """An error can answer before the body arrived (401, 404, 415); hypercorn then closes
+        the connection without ``Connection: close`` and the client's next request on it fails."""
+        if response.status_code >= 400:
+            with contextlib.suppress(HTTPException):  # 413: over the limit, it is not read
+                await request.get_data()
         return response
 
     @app.before_request
