@@ -177,7 +177,7 @@ def _gets() -> dict[str, dict[str, Any]]:
     health = {"type": "object", "required": ["status"], "properties": {"status": {"enum": ["ok", "unavailable"]}}}
     text = {"text/plain": {"schema": {"type": "string"}}}
     return {
-        "/v1/models": {"get": _operation("openai", "List the served model", BEARER, _ok(models))},
+        "/v1/models": {"get": _operation("openai", "List the served model", BEARER, _ok(models), errors=(401,))},
         "/v1/models/{model_id}": {
             "get": _operation(
                 "openai", "The served model", BEARER, _ok(model_card), errors=(401, 404), parameters=model_id
