@@ -74,6 +74,12 @@ ERROR_REASONS = {
     503: "Shutting down or the engine is unavailable",
 }
 OBJECT = {"type": "object"}
+# before OpenAPI 3.2 a stream's ``schema`` describes one event; ``data`` is the JSON text
+SSE_EVENT = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {"event": {"type": "string"}, "data": {"type": "string"}},
+}
 
 
 def openapi_blueprint() -> Blueprint:
@@ -134,7 +140,7 @@ def _post(model: type[BaseModel], tag: str, summary: str, generates: bool) -> di
     anthropic = tag == "anthropic"
     ok: dict[str, Any] = {"application/json": {"schema": OBJECT}}
     if generates:
-        ok["text/event-stream"] = {"schema": {"type": "string"}}
+        ok["text/event-stream"] = {"schema": SSE_EVENT}
     return _operation(
         tag,
         summary,
