@@ -7,6 +7,7 @@ loads nothing heavy: the model is loaded when the lifespan starts.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import uuid
 from typing import Any
@@ -21,6 +22,7 @@ from atom_anyio.api.errors import APIError
 from atom_anyio.api.misc import misc_blueprint
 from atom_anyio.api.openai_chat import chat_blueprint
 from atom_anyio.api.openai_completions import completions_blueprint
+from atom_anyio.api.openapi import openapi_blueprint
 from atom_anyio.api.responses import responses_blueprint
 from atom_anyio.api.server import RequestRecord, Server, connection_scope, current_record
 from atom_anyio.config import Config
@@ -29,7 +31,7 @@ from atom_anyio.obs.logging import configure_logging
 
 log = structlog.get_logger("atom_anyio.app")
 
-OPEN_PATHS = ("/health", "/metrics", "/version")
+OPEN_PATHS = ("/health", "/metrics", "/version", "/openapi.json")
 CORS_ALLOW_HEADERS = "Authorization, Content-Type, X-Api-Key, X-Request-Id, Anthropic-Version, Anthropic-Beta"
 
 
@@ -104,6 +106,7 @@ def build_quart(server: Server) -> Quart:
     app.register_blueprint(misc_blueprint(server))
     app.register_blueprint(messages_blueprint(server))
     app.register_blueprint(responses_blueprint(server))
+    app.register_blueprint(openapi_blueprint())
 
     @app.before_request
     async def bind_request_id() -> None:
@@ -126,6 +129,15 @@ def build_quart(server: Server) -> Quart:
     @app.teardown_request
     async def log_request(_: BaseException | None) -> None:
         server.request_closed()
+
+    @app.after_request
+    async def receive_the_body(response: Any) -> Any:
+        """An error can answer before the body arrived (401, 404, 415); hypercorn then closes
+        the connection without ``Connection: close`` and the client's next request on it fails."""
+        if response.status_code >= 400:
+            with contextlib.suppress(HTTPException):  # 413: over the limit, it is not read
+                await request.get_data()
+        return response
 
     @app.before_request
     async def authenticate() -> None:

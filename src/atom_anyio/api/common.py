@@ -4,6 +4,7 @@ request's deltas, usage."""
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -19,6 +20,7 @@ from atom_anyio.engine.sequence import Delta, Logprob
 from atom_anyio.engine.stream import DeltaStream
 
 M = TypeVar("M", bound=BaseModel)
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # only bodies with one are checked for a lone half
 
 
 async def parse_body(model: type[M]) -> M:
@@ -28,7 +30,7 @@ async def parse_body(model: type[M]) -> M:
         raise APIError(415, f"Content-Type must be application/json, got {ctype!r}", code="unsupported_media_type")
     raw = await request.get_data(as_text=False)
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_not_a_number)
     except UnicodeDecodeError:
         raise APIError(400, "The request body is not valid UTF-8.", code="invalid_json") from None
     except RecursionError:
@@ -37,13 +39,31 @@ async def parse_body(model: type[M]) -> M:
         raise APIError(
             400, f"The request body is not valid JSON: {exc.msg} at position {exc.pos}", code="invalid_json"
         ) from None
+    except ValueError as exc:  # NaN or Infinity, or an integer over Python's digit limit
+        reason = str(exc).partition(";")[0]
+        raise APIError(400, f"The request body is not valid JSON: {reason}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
     check_body(body)
+    if SURROGATE_ESCAPE.search(raw) and not _is_encodable(body):
+        raise APIError(400, "The request body has a lone UTF-16 surrogate (\\ud800-\\udfff).", code="invalid_json")
     try:
         return model.model_validate(body)
     except ValidationError as exc:
         raise from_validation_error(exc) from None
+
+
+def _not_a_number(literal: str) -> float:
+    raise ValueError(f"{literal} is not a JSON number")
+
+
+def _is_encodable(body: dict) -> bool:
+    """No string holds half a surrogate pair (JSON escapes allow it; UTF-8 and the tokenizer do not)."""
+    try:
+        json.dumps(body, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def new_id(prefix: str) -> str:

@@ -72,7 +72,10 @@ def misc_blueprint(server: Server) -> Blueprint:
         server.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of 'prompt' and 'messages'", param="prompt", code="invalid_value")
-        ids = await server.run_in_prepare_thread(_tokenize, server, req)
+        try:
+            ids = await server.run_in_prepare_thread(_tokenize, server, req)
+        except PromptError as exc:
+            raise APIError(400, exc.message, param=exc.param, code=exc.code) from None
         return {"tokens": ids, "count": len(ids), "max_model_len": server.max_model_len}
 
     @bp.post("/detokenize")
@@ -106,7 +109,4 @@ def _tokenize(server: Server, req: TokenizeRequest) -> list[int]:
         chat_template_kwargs=req.chat_template_kwargs,
         add_generation_prompt=req.add_generation_prompt,
     )
-    try:
-        return tokenize_prompt(request, server.prepare_ctx)
-    except PromptError as exc:
-        raise APIError(400, exc.message, param=exc.param, code=exc.code) from None
+    return tokenize_prompt(request, server.prepare_ctx)

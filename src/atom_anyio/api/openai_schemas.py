@@ -16,9 +16,10 @@ from atom_anyio.sampling_params import SamplingParams, StructuredOutputs
 
 
 class Lenient(BaseModel):
-    """Unknown fields are ignored, as the official API's clients send many."""
+    """Unknown fields are ignored, as the official API's clients send many. Known fields are
+    strict: a boolean or a numeric string is not a number, as the official APIs answer."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(Lenient):
@@ -126,6 +127,14 @@ class ChatMessage(Lenient):
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _tool_calls(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        for i, call in enumerate(v or []):
+            if not isinstance(call.get("function"), dict):
+                raise ValueError(f"tool call {i} needs a 'function' object")
+        return v
 
 
 class ChatCompletionRequest(SamplingFields):

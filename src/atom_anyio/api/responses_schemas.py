@@ -185,7 +185,7 @@ class ResponsesRequest(Lenient):
                 param="tool_choice.type",
                 code="invalid_value",
             )
-        if choice.get("name") not in names:
+        if not isinstance(choice.get("name"), str) or choice["name"] not in names:
             raise APIError(
                 400,
                 f"'tool_choice.name' {choice.get('name')!r} is not one of the request's function tools",
@@ -222,7 +222,7 @@ def parse_items(raw: list[dict[str, Any]], where: str) -> list[InputItem]:
     items: list[InputItem] = []
     for i, item in enumerate(raw):
         kind = item.get("type", "message")
-        model = ITEM_TYPES.get(kind)
+        model = ITEM_TYPES.get(kind) if isinstance(kind, str) else None
         if model is None:
             raise APIError(
                 400,

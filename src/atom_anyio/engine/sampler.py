@@ -156,7 +156,7 @@ def _sample(
 
 def _top_k_top_p_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     vocab = logits.shape[1]
-    top_k = _long([p.top_k or vocab for p in params], logits.device).unsqueeze(1)
+    top_k = _long([min(p.top_k or vocab, vocab) for p in params], logits.device).unsqueeze(1)
     top_p = _column([p.top_p for p in params], logits)
     min_p = _column([p.min_p for p in params], logits)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
