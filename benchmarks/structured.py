@@ -16,15 +16,17 @@ import argparse
 import json
 import tempfile
 import time
+from pathlib import Path
 
 import anyio
 import torch
+from agentic import write_tiny_model
 from words import WORDS
 
 from atom_anyio.engine.config import EngineConfig
 from atom_anyio.engine.grammar import Constraint, Grammars
 from atom_anyio.engine.loop import Engine
-from atom_anyio.models.loader import LoadedModel, load_gguf_tokenizer, load_model
+from atom_anyio.models.loader import LoadedModel, load_model
 from atom_anyio.sampling_params import SamplingParams, StructuredOutputs
 
 LONG_SCHEMA = {  # at least 40 items: no output of --output-len tokens completes it
@@ -68,28 +70,7 @@ def large_schema(num_groups: int = 12, fields_per_group: int = 10) -> dict:
 
 def tiny_model() -> LoadedModel:
     """The tests' 2-layer random Llama with the SmolLM2 tokenizer."""
-    import transformers
-
-    from atom_anyio.models.loader import default_model_path
-
-    path = tempfile.mkdtemp(prefix="tiny-llama-")
-    config = transformers.LlamaConfig(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-        initializer_range=0.2,
-    )
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
-    load_gguf_tokenizer(default_model_path()).save_pretrained(path)
-    return load_model(path)
+    return load_model(str(write_tiny_model(Path(tempfile.mkdtemp(prefix="tiny-llama-")), 4096, hidden_size=64)))
 
 
 async def decode(loaded: LoadedModel, prompts: list[list[int]], output_len: int, constraint: Constraint | None) -> dict:

@@ -90,3 +90,14 @@ def scripted(atom: Any, text: str, fail_at: int | None = None) -> Iterator[None]
         yield
     finally:
         worker.sampler = real
+
+
+@asynccontextmanager
+async def serving_app(loaded: Any, **config: Any) -> AsyncIterator[Any]:
+    """An ``AtomApp`` over an already loaded model, serving (engine loop running) until the block exits."""
+    from atom_anyio.api.app import AtomApp
+    from atom_anyio.config import Config
+
+    atom = AtomApp(Config(**config), loaded=loaded)
+    async with atom.server.serving():
+        yield atom

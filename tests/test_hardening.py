@@ -15,15 +15,15 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import anyio
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from support import free_port, wait_healthy, wait_until
+from support import free_port, serving_app, wait_healthy, wait_until
 from test_e2e import Served, clean_env, wait_ready
 
 import atom_anyio.api.server as server_module
@@ -46,13 +46,8 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-@asynccontextmanager
-async def serve(tiny_model, **config: Any) -> AsyncIterator[AtomApp]:
-    atom = AtomApp(
-        Config(**{"max_model_len": 2048, "kv_cache_gib": 0.05, "served_model_name": "m", **config}), loaded=tiny_model
-    )
-    async with atom.server.serving():
-        yield atom
+def serve(tiny_model, **config: Any):
+    return serving_app(tiny_model, **{"max_model_len": 2048, "kv_cache_gib": 0.05, "served_model_name": "m", **config})
 
 
 @pytest.fixture(scope="module")

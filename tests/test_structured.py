@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import random
 import re
-from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
@@ -18,7 +17,7 @@ import openai
 import pydantic
 import pytest
 import xgrammar as xgr
-from support import scripted, served_over_http
+from support import scripted, served_over_http, serving_app
 
 from atom_anyio.api.app import AtomApp
 from atom_anyio.config import Config
@@ -42,11 +41,8 @@ def anyio_backend() -> str:
     return "asyncio"  # Quart is asyncio-only
 
 
-@asynccontextmanager
-async def serve(tiny_model, **config: Any):
-    atom = AtomApp(Config(**{"kv_cache_gib": 0.1, "max_model_len": 4096, **config}), loaded=tiny_model)
-    async with atom.server.serving():
-        yield atom
+def serve(tiny_model, **config: Any):
+    return serving_app(tiny_model, **{"kv_cache_gib": 0.1, "max_model_len": 4096, **config})
 
 
 @pytest.fixture(scope="module")
