@@ -2,8 +2,11 @@
 point (while sending, before the first byte, after k chunks, or never), at
 a fixed concurrency. Afterwards the server must hold nothing: every KV block
 free, running == waiting == 0, no request in flight, no Sequence object
-alive, and its RSS within 1% of what it was before the storm (measured
-after a warm-up storm, so allocator growth that is not a leak is excluded).
+alive, and its RSS within 1% of what it was before the storm. Storms run
+``--rounds`` times in a row after a warm-up; the last is the one reported
+against the RSS before it, and every round's RSS is printed, so allocator
+high-water growth (the first storm) is told apart from a leak (growth
+every round).
 
     python benchmarks/disconnect_storm.py [--requests 1000] [--concurrency 64] [--model DIR_OR_GGUF]
     nox -s bench -- disconnect_storm
@@ -97,13 +100,17 @@ async def run(url: str, pid: int, args: argparse.Namespace) -> dict:
     async with httpx.AsyncClient(base_url=url, timeout=60) as client:
         await storm(url, args.warmup, args.concurrency, seed=1)
         await settle(client)
-        rss_before = rss_bytes(pid)
-        t = time.perf_counter()
-        cuts = await storm(url, args.requests, args.concurrency, seed=2)
-        elapsed = time.perf_counter() - t
-        g, settle_s = await settle(client)
-        rss_after = rss_bytes(pid)
+        rss = [rss_bytes(pid)]
+        for r in range(args.rounds):  # the last round is the one reported; earlier ones show the trend
+            t = time.perf_counter()
+            cuts = await storm(url, args.requests, args.concurrency, seed=2 + r)
+            elapsed = time.perf_counter() - t
+            g, settle_s = await settle(client)
+            rss.append(rss_bytes(pid))
+        rss_before, rss_after = rss[-2], rss[-1]
     return {
+        "rounds": args.rounds,
+        "rss_by_round_mib": [round(x / 2**20, 1) for x in rss],
         "requests": args.requests,
         "concurrency": args.concurrency,
         "storm_s": elapsed,
@@ -121,6 +128,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--warmup", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=6, help="storms in a row; RSS is compared across the last")
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--model", default=None, help="default: a tiny random Llama written here")
     ap.add_argument("--max-model-len", type=int, default=4096)
@@ -140,7 +148,8 @@ def main() -> None:
         ("running / waiting / in flight", f"{result['requests_running']:.0f} / {result['requests_waiting']:.0f} / "
          f"{result['requests_in_flight']:.0f}"),
         ("Sequence objects alive", f"{result['sequences_alive']:.0f}"),
-        ("RSS before -> after MiB", f"{result['rss_before_mib']:.1f} -> {result['rss_after_mib']:.1f} "
+        ("RSS after warm-up, each storm MiB", " -> ".join(f"{x:.1f}" for x in result["rss_by_round_mib"])),
+        ("RSS before -> after last storm MiB", f"{result['rss_before_mib']:.1f} -> {result['rss_after_mib']:.1f} "
          f"({result['rss_change_pct']:+.2f}%)"),
         ("clean", result["clean"]),
     ]  # fmt: skip

@@ -57,6 +57,7 @@ SERVE_FLAGS = {
     "cors_allow_origins": str,
     "body_timeout_s": float,
     "keep_alive_timeout_s": float,
+    "malloc_arena_max": int,
 }
 
 

@@ -46,6 +46,7 @@ class Config:
     keep_alive_timeout_s: float = 5.0  # atom-anyio serve: an idle connection (or half-sent head) is closed
     segment_cache_tokens: int = 4_000_000
     prepare_threads: int = 4
+    malloc_arena_max: int = 2  # glibc malloc arenas (MALLOC_ARENA_MAX); 0: glibc's default of 8 per core
     grammar_compile_timeout_s: float = 10.0  # a structured-output grammar that takes longer is a 400
     responses_store_max_items: int = 1000  # stored Responses, least recently used out first
     responses_store_ttl_s: float = 3600.0  # a stored Response expires this long after its last use

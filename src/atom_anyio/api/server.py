@@ -24,7 +24,7 @@ from atom_anyio.engine.loop import Engine, EngineDeadError, EngineError
 from atom_anyio.engine.stream import DeltaStream
 from atom_anyio.models.loader import LoadedModel, load_model
 from atom_anyio.obs.metrics import Metrics
-from atom_anyio.obs.runtime import GCTimer, freeze_heap, monitor_loop_lag, thaw_heap
+from atom_anyio.obs.runtime import GCTimer, freeze_heap, limit_malloc_arenas, monitor_loop_lag, thaw_heap
 from atom_anyio.parse import ParserSpec
 from atom_anyio.parse.reasoning import opens_reasoning
 from atom_anyio.prompt.prepare import PrepareContext, PreparedPrompt, PromptError, PromptRequest, prepare_prompt
@@ -165,6 +165,8 @@ class Server:
     @asynccontextmanager
     async def serving(self) -> AsyncIterator[Server]:
         cfg = self.config
+        if limit_malloc_arenas(cfg.malloc_arena_max):  # before the worker threads allocate
+            log.info("malloc.arenas_limited", malloc_arena_max=cfg.malloc_arena_max)
         if self.loaded is None:
             self.loaded = await anyio.to_thread.run_sync(load_model, cfg.model, cfg.dtype, cfg.device)
             log.info("model.loaded", model=self.loaded.name, dtype=cfg.dtype, device=cfg.device)
@@ -185,7 +187,7 @@ class Server:
         async with anyio.create_task_group() as tg:
             await tg.start(self._run_engine)
             await self._warm_up()
-            thresholds = freeze_heap()
+            freeze_heap()
             gc_timer.install()
             tg.start_soon(monitor_loop_lag, self.metrics.loop_lag)
             self.is_admitting = True
@@ -195,7 +197,7 @@ class Server:
                 with anyio.CancelScope(shield=True):
                     await self.drain()
                 gc_timer.remove()
-                thaw_heap(thresholds)
+                thaw_heap()
                 self.grammars.close()
                 tg.cancel_scope.cancel()
 
