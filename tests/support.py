@@ -1,20 +1,31 @@
 """Helpers the test modules share: ports, bounded polling, an in-process
-hypercorn, and the one fake (a scripted sampler at the model boundary)."""
+hypercorn, the server as a subprocess, and the one fake (a scripted sampler
+at the model boundary)."""
 
 from __future__ import annotations
 
 import functools
+import os
+import signal
 import socket
+import subprocess
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import anyio
 import httpx
+import pytest
 from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config as HypercornConfig
 
 from atom_anyio.engine.sampler import SamplerOutput, SamplingInputs
+
+READY_TIMEOUT_S = 60.0
+EXIT_TIMEOUT_S = 30.0
 
 
 def free_port() -> int:
@@ -101,3 +112,59 @@ async def serving_app(loaded: Any, **config: Any) -> AsyncIterator[Any]:
     atom = AtomApp(Config(**config), loaded=loaded)
     async with atom.server.serving():
         yield atom
+
+
+# the server as a subprocess
+
+
+@dataclass
+class Served:
+    url: str
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+@contextmanager
+def running(cmd: list[str], env: dict[str, str], port: int, log_path: Path) -> Iterator[Served]:
+    """Start ``cmd``, wait until /health answers 200, yield; then SIGTERM and require exit 0."""
+    served = Served(f"http://127.0.0.1:{port}", log_path)
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_ready(proc, served)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    try:
+        yield served
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            rc = proc.wait(timeout=EXIT_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            pytest.fail(f"server did not exit within {EXIT_TIMEOUT_S} s of SIGTERM; its output:\n{served.log()}")
+        assert rc == 0, f"server exited {rc} on SIGTERM; its output:\n{served.log()}"
+
+
+def wait_ready(proc: subprocess.Popen, served: Served) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"server exited {proc.returncode} before it was ready; its output:\n{served.log()}")
+        try:
+            if httpx.get(f"{served.url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)  # poll interval
+    pytest.fail(f"server not ready after {READY_TIMEOUT_S} s; its output:\n{served.log()}")
+
+
+def clean_env(**atom: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ATOM_")}
+    return {**env, **{f"ATOM_{k.upper()}": v for k, v in atom.items()}}

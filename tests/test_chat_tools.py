@@ -9,10 +9,9 @@ sampling the logits. Everything after the sampler is real.
 from __future__ import annotations
 
 import json
-from contextlib import asynccontextmanager
 
 import pytest
-from support import scripted
+from support import scripted, serving_app
 
 from atom_anyio.api.app import AtomApp
 from atom_anyio.config import Config
@@ -39,11 +38,8 @@ def anyio_backend():
     return "asyncio"  # Quart is asyncio-only
 
 
-@asynccontextmanager
-async def chat_app(tiny_model):
-    atom = AtomApp(Config(kv_cache_gib=0.05, chat_template=template_path("qwen3_tools")), loaded=tiny_model)
-    async with atom.server.serving():
-        yield atom
+def chat_app(tiny_model):
+    return serving_app(tiny_model, kv_cache_gib=0.05, chat_template=template_path("qwen3_tools"))
 
 
 @pytest.fixture

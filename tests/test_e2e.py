@@ -4,81 +4,19 @@ on the tiny model, driven over HTTP by the official OpenAI SDK."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
-import time
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
-import httpx
 import openai
 import pytest
-from support import free_port
+from support import Served, clean_env, free_port, running
 
 API_KEY = "test-key"
 MAX_MODEL_LEN = 4096
 EOS = 2  # <|im_end|>, the tiny model's end token
-READY_TIMEOUT_S = 60.0
-EXIT_TIMEOUT_S = 30.0
 STORY = [{"role": "user", "content": "Tell me a story about a river and a stone."}]
-
-
-@dataclass
-class Served:
-    url: str
-    log_path: Path
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-
-@contextmanager
-def running(cmd: list[str], env: dict[str, str], port: int, log_path: Path) -> Iterator[Served]:
-    """Start ``cmd``, wait until /health answers 200, yield; then SIGTERM and require exit 0."""
-    served = Served(f"http://127.0.0.1:{port}", log_path)
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_ready(proc, served)
-    except BaseException:
-        proc.kill()
-        proc.wait()
-        raise
-    try:
-        yield served
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            rc = proc.wait(timeout=EXIT_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            pytest.fail(f"server did not exit within {EXIT_TIMEOUT_S} s of SIGTERM; its output:\n{served.log()}")
-        assert rc == 0, f"server exited {rc} on SIGTERM; its output:\n{served.log()}"
-
-
-def wait_ready(proc: subprocess.Popen, served: Served) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited {proc.returncode} before it was ready; its output:\n{served.log()}")
-        try:
-            if httpx.get(f"{served.url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)  # poll interval
-    pytest.fail(f"server not ready after {READY_TIMEOUT_S} s; its output:\n{served.log()}")
-
-
-def clean_env(**atom: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ATOM_")}
-    return {**env, **{f"ATOM_{k.upper()}": v for k, v in atom.items()}}
 
 
 @pytest.fixture(scope="module")

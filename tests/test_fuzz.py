@@ -31,8 +31,7 @@ from schemathesis.specs.openapi.checks import (
     response_schema_conformance,
     status_code_conformance,
 )
-from support import free_port
-from test_e2e import Served, clean_env, running
+from support import Served, clean_env, free_port, running
 
 from atom_anyio.api.openapi import POSTS, openapi_document
 

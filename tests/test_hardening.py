@@ -23,8 +23,7 @@ import anyio
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from support import free_port, serving_app, wait_healthy, wait_until
-from test_e2e import Served, clean_env, wait_ready
+from support import Served, clean_env, free_port, serving_app, wait_healthy, wait_ready, wait_until
 
 import atom_anyio.api.server as server_module
 from atom_anyio.api import limits

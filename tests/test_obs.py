@@ -14,8 +14,6 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from typing import Any
 
@@ -23,7 +21,7 @@ import anyio
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from support import free_port, wait_healthy, wait_until
+from support import free_port, serving_app, wait_healthy, wait_until
 
 from atom_anyio.api.app import AtomApp
 from atom_anyio.cli import main as cli_main
@@ -67,11 +65,8 @@ def anyio_backend() -> str:
     return "asyncio"  # Quart runs on asyncio only
 
 
-@asynccontextmanager
-async def serving(tiny_model) -> AsyncIterator[AtomApp]:
-    atom = AtomApp(Config(max_model_len=2048, kv_cache_gib=0.05), loaded=tiny_model)
-    async with atom.server.serving():
-        yield atom
+def serving(tiny_model):
+    return serving_app(tiny_model, max_model_len=2048, kv_cache_gib=0.05)
 
 
 @pytest.fixture
