@@ -29,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -516,6 +516,27 @@ def add_target_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", "none"))
 
 
+def measure_each_target(
+    args: argparse.Namespace,
+    run: Callable[[Target, argparse.Namespace], Awaitable[list[dict]]],
+    what: Callable[[Target], str],
+) -> dict[str, list[dict]]:
+    """``run`` against each target in turn (started here or given), by label; a target that
+    cannot be started or reached is skipped, not fatal; none at all ends the program."""
+    results: dict[str, list[dict]] = {}
+    with started_targets(args) as factories:
+        for factory in factories:
+            try:
+                with factory() as target:
+                    print(what(target), file=sys.stderr)
+                    results[target.label] = anyio.run(run, target, args)
+            except (RuntimeError, httpx.HTTPError) as exc:  # one target down must not lose the others
+                print(f"skipping a target: {exc}", file=sys.stderr)
+    if not results:
+        sys.exit("no target could be measured")
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_target_arguments(ap)
@@ -528,20 +549,9 @@ def main() -> None:
     args = ap.parse_args()
     args.start_atom = args.start_atom or not args.base_url
 
-    results: dict[str, list[dict]] = {}
-    with started_targets(args) as factories:
-        for factory in factories:
-            try:
-                with factory() as target:
-                    print(
-                        f"running {args.agents} agents against {target.label} for {args.duration:.0f} s",
-                        file=sys.stderr,
-                    )
-                    results[target.label] = anyio.run(run_target, target, args)
-            except (RuntimeError, httpx.HTTPError) as exc:  # one target down must not lose the others
-                print(f"skipping a target: {exc}", file=sys.stderr)
-    if not results:
-        sys.exit("no target could be measured")
+    results = measure_each_target(
+        args, run_target, lambda t: f"running {args.agents} agents against {t.label} for {args.duration:.0f} s"
+    )
     print(
         f"\nagentic: {args.agents} agents, ~{args.system_tokens}-token system prompt, ~{args.tool_tokens}-token tool "
         f"results, {args.max_tokens} output tokens (ignore_eos), {args.duration:.0f} s in {args.window:.0f} s windows"

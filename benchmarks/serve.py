@@ -17,19 +17,15 @@ import json
 import os
 import random
 import shutil
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import anyio
 import httpx
+from agentic import atom_command, free_port, launched
 from words import WORDS
 
 
@@ -186,55 +182,8 @@ def _ms(seconds: float | None) -> float | None:
 # servers started here
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
-def launched(label: str, cmd: list[str], env: dict[str, str], port: int, timeout_s: float) -> Iterator[str]:
-    """Run ``cmd`` until /health answers 200; yield its base URL; SIGTERM it after."""
-    url = f"http://127.0.0.1:{port}"
-    with tempfile.NamedTemporaryFile(prefix=f"{label}-", suffix=".log", delete=False) as log:
-        print(f"starting {label}: {' '.join(cmd)} (log: {log.name})", file=sys.stderr)
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_healthy(proc, url, timeout_s, log.name)
-        yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        print(f"stopped {label} (exit {proc.returncode})", file=sys.stderr)
-
-
-def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float, log_path: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited {proc.returncode}:\n{_tail(log_path)}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"the server was not healthy after {timeout_s} s:\n{_tail(log_path)}")
-
-
-def _tail(path: str, num_chars: int = 3000) -> str:
-    return Path(path).read_text(errors="replace")[-num_chars:]
-
-
-def atom_command(args: argparse.Namespace, port: int) -> list[str]:
-    script = Path(sys.executable).with_name("atom-anyio")
-    cli = [str(script)] if script.exists() else [sys.executable, "-m", "atom_anyio.cli"]
-    cmd = [*cli, "serve", "--port", str(port), "--max-model-len", str(args.max_model_len), "--log-format", "json"]
-    return cmd + (["--model", args.atom_model] if args.atom_model else [])
+def serve_atom_command(args: argparse.Namespace, port: int) -> list[str]:
+    return atom_command(args.atom_model, port, args.max_model_len)
 
 
 def vllm_command(args: argparse.Namespace, port: int) -> list[str]:
@@ -256,9 +205,11 @@ def vllm_command(args: argparse.Namespace, port: int) -> list[str]:
 
 
 def started(label: str, command: Callable[[argparse.Namespace, int], list[str]], env: dict, args) -> Target:
-    def launch() -> AbstractContextManager[str]:
+    @contextmanager
+    def launch() -> Iterator[str]:
         port = free_port()
-        return launched(label, command(args, port), env, port, args.start_timeout)
+        with launched(label, command(args, port), env, port, args.start_timeout) as target:
+            yield target.url
 
     return Target(label, launch=launch)
 
@@ -278,7 +229,7 @@ def vllm_target(args: argparse.Namespace) -> Target | None:
 def targets(args: argparse.Namespace) -> list[Target]:
     out = []
     if args.start_atom:
-        out.append(started(args.label or "atom_anyio", atom_command, dict(os.environ), args))
+        out.append(started(args.label or "atom_anyio", serve_atom_command, dict(os.environ), args))
     elif args.base_url:
         out.append(Target(args.label or "base", args.base_url))
     if args.compare:

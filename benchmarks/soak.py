@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 
 import anyio
@@ -22,13 +21,13 @@ from agentic import (
     Target,
     Windowed,
     add_target_arguments,
+    measure_each_target,
     percentile,
     print_side_by_side,
     print_table,
     rounded,
     sample_server,
     scrape,
-    started_targets,
     text,
 )
 
@@ -157,19 +156,9 @@ def main() -> None:
     args = ap.parse_args()
     args.start_atom = args.start_atom or not args.base_url
 
-    results: dict[str, list[dict]] = {}
-    with started_targets(args) as factories:
-        for factory in factories:
-            try:
-                with factory() as target:
-                    print(
-                        f"soaking {target.label}: {args.num_requests} requests at {args.concurrency}", file=sys.stderr
-                    )
-                    results[target.label] = anyio.run(run_target, target, args)
-            except (RuntimeError, httpx.HTTPError) as exc:  # one target down must not lose the others
-                print(f"skipping a target: {exc}", file=sys.stderr)
-    if not results:
-        sys.exit("no target could be measured")
+    results = measure_each_target(
+        args, run_target, lambda t: f"soaking {t.label}: {args.num_requests} requests at {args.concurrency}"
+    )
     print(
         f"\nsoak: {args.num_requests} chat requests (~{args.prompt_tokens} prompt tokens, {args.max_tokens} output "
         f"tokens, half streamed) at concurrency {args.concurrency}, /metrics scraped every second, "
