@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -248,12 +249,18 @@ def test_concurrent_streams_match_their_greedy_text_alone(server, client, model)
 
 def test_every_line_hypercorn_prints_is_json_with_the_documented_keys(server, client, model) -> None:
     greedy_chat(client, model, max_tokens=2)
-    events = [json.loads(line) for line in server.log().splitlines()]  # stdout and stderr, every line
+    # hypercorn writes the access line after the response has gone out: poll until it is there
+    deadline = time.monotonic() + 10
+    while True:
+        events = [json.loads(line) for line in server.log().splitlines()]  # stdout and stderr, every line
+        finished = [e for e in events if e.get("event") == "request.finished" and e.get("endpoint") == "chat"]
+        access = {e["request_id"]: e for e in events if e.get("event") == "http.access"}
+        if all(e["request_id"] in access for e in finished) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)  # poll interval
     assert all({"event", "level", "timestamp", "logger"} <= set(e) for e in events), server.log()
     assert any(e["event"] == "model.loaded" for e in events)
     assert any(e["logger"] == "hypercorn.error" and e["event"].startswith("Running on") for e in events)
-    finished = [e for e in events if e["event"] == "request.finished" and e["endpoint"] == "chat"]
-    access = {e["request_id"]: e for e in events if e["event"] == "http.access"}
     assert finished and all(e["outcome"] in ("ok", "refused") for e in finished)
     for e in finished:
         assert (access[e["request_id"]]["path"], access[e["request_id"]]["status"]) == (
