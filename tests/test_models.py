@@ -20,6 +20,7 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from atom_anyio.engine.attention import AttentionMetadata
 from atom_anyio.models.loader import build_model, load_gguf_weights, load_model
+from atom_anyio.models.llama import pack_weights
 
 VOCAB = 256
 SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
@@ -172,7 +173,9 @@ def test_sharded_safetensors_load_the_same_weights(tmp_path, tiny_model_dir):
     assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
     loaded = load_model(str(tmp_path))
     ours = loaded.model.state_dict()
-    for name, value in hf.state_dict().items():
+    expected, missing = pack_weights(hf.state_dict())  # q/k/v and gate/up concatenated
+    assert not missing and "model.layers.0.self_attn.qkv_proj.weight" in expected
+    for name, value in expected.items():
         assert torch.equal(ours[name], value), name
 
 

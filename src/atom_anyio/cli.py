@@ -31,6 +31,7 @@ SERVE_FLAGS = {
     "model": str,
     "dtype": str,
     "device": str,
+    "attention_backend": str,
     "served_model_name": str,
     "max_model_len": int,
     "max_num_seqs": int,
@@ -124,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="complete prompts offline with the engine")
     gen.add_argument("--model", default=None, help="HF directory or GGUF file (default: SmolLM2-135M-Instruct)")
-    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
     gen.add_argument("--max-tokens", type=int, default=64)

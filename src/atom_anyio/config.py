@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, fields
 from functools import cached_property
 from typing import Any
 
+from atom_anyio.engine.attention import BACKENDS
 from atom_anyio.engine.config import EngineConfig
 from atom_anyio.parse import ParserSpec
 
@@ -16,8 +17,9 @@ from atom_anyio.parse import ParserSpec
 @dataclass(frozen=True)
 class Config:
     model: str | None = None  # HF dir or GGUF file; None: SmolLM2-135M-Instruct
-    dtype: str = "float32"
+    dtype: str = "auto"  # float32, bfloat16, or auto: the fastest faithful one for the device
     device: str = "cpu"
+    attention_backend: str = "auto"  # auto, cpu (the C++ kernel), torch (the portable path)
     served_model_name: str | None = None  # default: the model's name
     max_model_len: int | None = None
     max_num_seqs: int = 64
@@ -54,6 +56,10 @@ class Config:
     def __post_init__(self) -> None:
         if self.context_overflow not in ("error", "drop_oldest"):
             raise ValueError("context_overflow must be 'error' or 'drop_oldest'")
+        if self.attention_backend not in BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}")
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError("dtype must be auto, float32 or bfloat16")
         if self.log_format not in ("json", "console", "auto"):
             raise ValueError("log_format must be json, console or auto")
         if min(self.max_waiting_seqs, self.max_waiting_tokens, self.max_pending_deltas) < 1:

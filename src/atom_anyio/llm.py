@@ -53,9 +53,17 @@ class LLM:
     """``LLM(model=None)`` serves the default model (SmolLM2-135M-Instruct)."""
 
     def __init__(
-        self, model: str | LoadedModel | None = None, dtype: str = "float32", device: str = "cpu", **engine_kwargs: Any
+        self,
+        model: str | LoadedModel | None = None,
+        dtype: str = "auto",
+        device: str = "cpu",
+        attention_backend: str | None = None,
+        **engine_kwargs: Any,
     ):
-        self.loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype, device=device)
+        if isinstance(model, LoadedModel):
+            self.loaded = model
+        else:
+            self.loaded = load_model(model, dtype=dtype, device=device, attention_backend=attention_backend)
         # offline, the event loop idles while a step runs: the forward may use every core
         engine_kwargs.setdefault("num_threads", os.cpu_count() or 1)
         self.engine = Engine(self.loaded, EngineConfig(**engine_kwargs))

@@ -60,7 +60,12 @@ def misc_blueprint(server: Server) -> Blueprint:
 
     @bp.get("/version")
     async def version() -> Any:
-        return {"version": __version__}
+        model = server.loaded.model if server.loaded else None
+        return {
+            "version": __version__,
+            "attention_backend": model and model.attention_backend.name,
+            "dtype": model and str(next(model.parameters()).dtype).removeprefix("torch."),
+        }
 
     @bp.get("/metrics")
     async def metrics() -> Any:

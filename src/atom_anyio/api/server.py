@@ -168,8 +168,17 @@ class Server:
         if limit_malloc_arenas(cfg.malloc_arena_max):  # before the worker threads allocate
             log.info("malloc.arenas_limited", malloc_arena_max=cfg.malloc_arena_max)
         if self.loaded is None:
-            self.loaded = await anyio.to_thread.run_sync(load_model, cfg.model, cfg.dtype, cfg.device)
-            log.info("model.loaded", model=self.loaded.name, dtype=cfg.dtype, device=cfg.device)
+            self.loaded = await anyio.to_thread.run_sync(
+                load_model, cfg.model, cfg.dtype, cfg.device, cfg.attention_backend
+            )
+        model = self.loaded.model
+        log.info(
+            "model.loaded",
+            model=self.loaded.name,
+            dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+            device=cfg.device,
+            attention_backend=model.attention_backend.name,
+        )
         self.engine = Engine(self.loaded, cfg.engine)
         self.prepare_ctx = await anyio.to_thread.run_sync(self._build_prepare_context)
         self.parser_spec = ParserSpec.detect(

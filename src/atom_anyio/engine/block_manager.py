@@ -142,6 +142,6 @@ class BlockManager:
             assert block.ref_count >= 0
             if block.ref_count == 0:
                 self.free[block_id] = None
-        seq.block_table = []
+        seq.block_table = array("i")
         seq.num_computed_tokens = 0
         seq.num_committed_blocks = 0

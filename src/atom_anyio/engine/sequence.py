@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from array import array
 import itertools
 import time
 import weakref
@@ -80,7 +81,7 @@ class Sequence:
         self.stream = stream
         self.detokenizer = detokenizer
         self.block_hashes = block_hashes  # chained hash of every full block
-        self.block_table: list[int] = []
+        self.block_table = array("i")  # block ids; an int32 buffer the worker reads without a copy
         self.num_computed_tokens = 0
         self.num_committed_blocks = 0  # leading blocks already published to the prefix cache
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache

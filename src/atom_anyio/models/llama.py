@@ -1,17 +1,21 @@
 """One Llama-family decoder: Llama, Mistral, Qwen2 (qkv bias), Qwen3 (q/k
 RMSNorm), SmolLM2 (tied embeddings). Parameter names match Hugging Face so
-weights load by name."""
+weights load by name, except the packed projections: q/k/v are one
+``qkv_proj`` and gate/up one ``gate_up_proj`` (one GEMM each instead of three
+and two); ``pack_weights`` builds them from the Hugging Face names."""
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from atom_anyio.engine.attention import AttentionMetadata, TorchPagedAttention
+from atom_anyio.engine.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
+from atom_anyio.models.ops import Ops
 
 
 @dataclass(frozen=True)
@@ -91,94 +95,120 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """``norm(x)``, or ``norm(x, residual)``: ``residual + x`` normalised, and
+    the sum as the next residual (one fused op on the CPU kernels)."""
+
+    def __init__(self, dim: int, eps: float, ops: Ops):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.ops = ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: TorchPagedAttention):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
             cfg.head_dim,
         )
-        bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        kv_size = self.num_kv_heads * self.head_dim
+        self.split = [self.num_heads * self.head_dim, kv_size, kv_size]
+        self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.split), bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, backend.ops)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, backend.ops)
         self.backend = backend
 
     def forward(self, x, cos, sin, kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k = self.backend.ops.rotary(q, k, cos, sin)
         o = self.backend.forward(q, k, v, kv[0], kv[1], meta)
         return self.o_proj(o.reshape(t, -1))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, ops: Ops):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.ops = ops
 
     def forward(self, x):
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+# module -> its packed parameter and the Hugging Face parts concatenated into it (output dimension)
+PACKED = {"self_attn": ("qkv_proj", ("q_proj", "k_proj", "v_proj")), "mlp": ("gate_up_proj", ("gate_proj", "up_proj"))}
+_PART = re.compile(r"(.*)\.(self_attn|mlp)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)")
+
+
+def pack_weights(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Concatenate q/k/v and gate/up of a Hugging Face state dict into the
+    packed parameters; also return the parts missing beside present ones."""
+    packed, missing = dict(state), []
+    groups = {(m[1], m[2], m[4]) for name in state if (m := _PART.fullmatch(name))}
+    for layer, module, kind in sorted(groups):
+        target, parts = PACKED[module]
+        names = [f"{layer}.{module}.{part}.{kind}" for part in parts]
+        if all(n in state for n in names):
+            packed[f"{layer}.{module}.{target}.{kind}"] = torch.cat([packed.pop(n) for n in names])
+        else:
+            missing += [n for n in names if n not in state]
+    return packed, missing
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: TorchPagedAttention):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
         super().__init__()
         self.self_attn = Attention(cfg, backend)
-        self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg, backend.ops)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend.ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend.ops)
 
-    def forward(self, x, cos, sin, kv, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, kv, meta):
+        """``x`` is the previous layer's output and ``residual`` the stream
+        before it (None at the first layer): the residual add is fused into
+        the norm that follows it."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin, kv, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: TorchPagedAttention):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend.ops)
 
 
 class LlamaForCausalLM(nn.Module):
     """``forward`` takes a step's flattened tokens and returns hidden states;
     ``compute_logits`` runs the head only on the rows that are sampled."""
 
-    def __init__(self, cfg: ModelConfig, backend: TorchPagedAttention | None = None):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None = None):
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, backend or TorchPagedAttention())
+        self.attention_backend = backend or TorchPagedAttention()
+        self.model = LlamaModel(cfg, self.attention_backend)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -193,13 +223,12 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
-        freqs = positions[:, None].float() * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.rope_scale).to(x.dtype)[:, None, :]
-        sin = (emb.sin() * self.rope_scale).to(x.dtype)[:, None, :]
+        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, D/2]
+        cos, sin = freqs.cos() * self.rope_scale, freqs.sin() * self.rope_scale
+        residual = None
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv, meta)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, cos, sin, kv, meta)
+        return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

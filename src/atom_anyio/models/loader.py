@@ -26,8 +26,9 @@ import torch
 from safetensors import safe_open
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from atom_anyio.engine import kernels
 from atom_anyio.engine.attention import select_backend
-from atom_anyio.models.llama import LlamaForCausalLM, ModelConfig, rope_inv_freq
+from atom_anyio.models.llama import LlamaForCausalLM, ModelConfig, pack_weights, rope_inv_freq
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -79,9 +80,12 @@ def default_model_path() -> str:
 
 
 def resolve_dtype(dtype: torch.dtype | str, device: torch.device) -> torch.dtype:
-    """``torch.float32``/``torch.bfloat16`` or their names; ``"auto"`` is float32 on CPU, bfloat16 elsewhere."""
+    """``torch.float32``/``torch.bfloat16`` or their names. ``"auto"``: the
+    fastest faithful dtype for the device: bfloat16 on GPUs and on CPUs with
+    native bfloat16 arithmetic (AVX512-BF16 or AMX), float32 on other CPUs
+    (emulated bfloat16 GEMMs are several times slower than float32 ones)."""
     if dtype == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
+        return torch.bfloat16 if device.type != "cpu" or kernels.has_native_bf16() else torch.float32
     if isinstance(dtype, str):
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype, dtype)
     if dtype not in (torch.float32, torch.bfloat16):
@@ -90,9 +94,13 @@ def resolve_dtype(dtype: torch.dtype | str, device: torch.device) -> torch.dtype
 
 
 def load_model(
-    path: str | os.PathLike | None, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu"
+    path: str | os.PathLike | None,
+    dtype: torch.dtype | str = torch.float32,
+    device: str | torch.device = "cpu",
+    attention_backend: str | None = None,
 ) -> LoadedModel:
-    """Load a Hugging Face model directory or a ``.gguf`` file; ``None`` loads the default model."""
+    """Load a Hugging Face model directory or a ``.gguf`` file; ``None`` loads
+    the default model. ``attention_backend``: see ``select_backend``."""
     path = os.fspath(path) if path else default_model_path()
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device)
@@ -108,18 +116,26 @@ def load_model(
         chat_template, name = tokenizer.chat_template, Path(path).resolve().name
     else:
         raise FileNotFoundError(f"model path {path!r} is neither a Hugging Face model directory nor a .gguf file")
-    model = build_model(cfg, state, dtype, device)
+    model = build_model(cfg, state, dtype, device, attention_backend)
     return LoadedModel(model=model, tokenizer=tokenizer, config=cfg, chat_template=chat_template, name=name)
 
 
-def build_model(cfg: ModelConfig, state: StateDict, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
-    """Assign ``state`` into a model built without initializing weights; every weight must be given."""
+def build_model(
+    cfg: ModelConfig,
+    state: StateDict,
+    dtype: torch.dtype,
+    device: torch.device,
+    attention_backend: str | None = None,
+) -> LlamaForCausalLM:
+    """Assign ``state`` (Hugging Face names) into a model built without
+    initializing weights; every weight must be given."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, select_backend(device))
-    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
+        model = LlamaForCausalLM(cfg, select_backend(device, attention_backend))
+    state, missing_parts = pack_weights({k: v.to(device=device, dtype=dtype) for k, v in state.items()})
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    missing = missing_parts + missing
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight  # assign replaced the shared parameter
         missing = [k for k in missing if k != "lm_head.weight"]

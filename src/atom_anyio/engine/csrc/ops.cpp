@@ -1,0 +1,188 @@
+// Fused elementwise ops of a decoder layer on CPU: one pass over memory and
+// one dispatch where the torch reference spends six to twelve ops. Each has
+// its reference in models/ops.py (TorchOps) and a test against it.
+//
+// rms_norm:          out = x * rsqrt(mean(x^2) + eps) * w      (rows of x)
+// add_rms_norm:      residual += x; x = rms_norm(residual)     (in place)
+// silu_and_mul:      out = silu(x[:, :n]) * x[:, n:]
+// rotary_embedding:  q, k rotated in place (rotate-half / NeoX layout)
+//                    by cos, sin [T, D/2] float32
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include "vec.h"
+
+namespace {
+
+using namespace atom;
+
+template <typename T>
+void rms_norm_row(const T* x, const T* w, T* out, int64_t n, float eps) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) sum += float(x[i]) * float(x[i]);
+  const float inv = 1.f / std::sqrt(sum / float(n) + eps);
+  // the reference rounds the normalised row to the model dtype before the weight
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = T(float(w[i]) * float(T(float(x[i]) * inv)));
+}
+
+template <typename T>
+void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, double eps) {
+  const int64_t n = x.size(-1), rows = x.numel() / n;
+  const T* xp = x.data_ptr<T>();
+  const T* wp = w.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) rms_norm_row(xp + r * n, wp, op + r * n, n, float(eps));
+  });
+}
+
+template <typename T>
+void add_rms_norm_impl(at::Tensor& x, at::Tensor& residual, const at::Tensor& w, double eps) {
+  const int64_t n = x.size(-1), rows = x.numel() / n;
+  T* xp = x.data_ptr<T>();
+  T* rp = residual.data_ptr<T>();
+  const T* wp = w.data_ptr<T>();
+  at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      T* xr = xp + r * n;
+      T* rr = rp + r * n;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) rr[i] = T(float(rr[i]) + float(xr[i]));
+      rms_norm_row(rr, wp, xr, n, float(eps));
+    }
+  });
+}
+
+template <typename T>
+void silu_and_mul_impl(at::Tensor& out, const at::Tensor& x) {
+  const int64_t n = out.size(-1), rows = out.numel() / n;
+  TORCH_CHECK(n % 8 == 0, "silu_and_mul: the width must be a multiple of 8");
+  const T* xp = x.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, 4, [&](int64_t b, int64_t e) {
+    float silu[8];
+    for (int64_t r = b; r < e; ++r) {
+      const T* gate = xp + r * 2 * n;
+      const T* up = gate + n;
+      T* o = op + r * n;
+      for (int64_t i = 0; i < n; i += 8) {
+        const V8 g = load_as_float(gate + i);
+        store_as(silu, div(g, add(splat(1.f), exp(sub(splat(0.f), g)))));
+        // rounded to the model dtype after silu, as the reference's two ops do
+        for (int j = 0; j < 8; ++j) o[i + j] = T(float(T(silu[j])) * float(up[i + j]));
+      }
+    }
+  });
+}
+
+// x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin over rows [T, heads, D] with any token stride
+template <typename T>
+void rotate(T* x, int64_t token_stride, int64_t heads, int64_t D, const float* cos, const float* sin, int64_t t) {
+  const int64_t half = D / 2;
+  const float* c = cos + t * half;
+  const float* s = sin + t * half;
+  for (int64_t h = 0; h < heads; ++h) {
+    T* row = x + t * token_stride + h * D;
+#pragma omp simd
+    for (int64_t i = 0; i < half; ++i) {
+      const float x1 = float(row[i]), x2 = float(row[i + half]);
+      // two products, then the sum, each rounded: the reference's q*cos + rotate_half(q)*sin
+      const float a1 = x1 * c[i], b1 = x2 * s[i], a2 = x2 * c[i], b2 = x1 * s[i];
+      row[i] = T(a1 - b1);
+      row[i + half] = T(a2 + b2);
+    }
+  }
+}
+
+template <typename T>
+void rotary_impl(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t T_ = q.size(0), D = q.size(2);
+  T* qp = q.data_ptr<T>();
+  T* kp = k.data_ptr<T>();
+  const float* c = cos.data_ptr<float>();
+  const float* s = sin.data_ptr<float>();
+  at::parallel_for(0, T_, 8, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      rotate(qp, q.stride(0), q.size(1), D, c, s, t);
+      rotate(kp, k.stride(0), k.size(1), D, c, s, t);
+    }
+  });
+}
+
+template <template <typename> class F, typename... Args>
+void dispatch(at::ScalarType type, const char* name, Args&&... args) {
+  switch (type) {
+    case at::kFloat: return F<float>::run(args...);
+    case at::kBFloat16: return F<c10::BFloat16>::run(args...);
+    case at::kHalf: return F<c10::Half>::run(args...);
+    default: TORCH_CHECK(false, name, ": unsupported dtype ", type);
+  }
+}
+
+template <typename T>
+struct RmsNorm {
+  static void run(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, double eps) {
+    rms_norm_impl<T>(out, x, w, eps);
+  }
+};
+template <typename T>
+struct AddRmsNorm {
+  static void run(at::Tensor& x, at::Tensor& r, const at::Tensor& w, double eps) { add_rms_norm_impl<T>(x, r, w, eps); }
+};
+template <typename T>
+struct SiluAndMul {
+  static void run(at::Tensor& out, const at::Tensor& x) { silu_and_mul_impl<T>(out, x); }
+};
+template <typename T>
+struct Rotary {
+  static void run(at::Tensor& q, at::Tensor& k, const at::Tensor& c, const at::Tensor& s) { rotary_impl<T>(q, k, c, s); }
+};
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_contiguous(), name, ": tensors must be contiguous");
+}
+
+void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, double eps) {
+  check_rows(x, "rms_norm"), check_rows(out, "rms_norm"), check_rows(w, "rms_norm");
+  dispatch<RmsNorm>(x.scalar_type(), "rms_norm", out, x, w, eps);
+}
+
+void add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& w, double eps) {
+  check_rows(x, "add_rms_norm"), check_rows(residual, "add_rms_norm"), check_rows(w, "add_rms_norm");
+  dispatch<AddRmsNorm>(x.scalar_type(), "add_rms_norm", x, residual, w, eps);
+}
+
+void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
+  check_rows(x, "silu_and_mul"), check_rows(out, "silu_and_mul");
+  TORCH_CHECK(x.size(-1) == 2 * out.size(-1), "silu_and_mul: x must be twice as wide as out");
+  dispatch<SiluAndMul>(x.scalar_type(), "silu_and_mul", out, x);
+}
+
+void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && k.stride(2) == 1 && k.stride(1) == k.size(2),
+              "rotary_embedding: heads of q and k must be contiguous rows");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.size(-1) * 2 == q.size(2),
+              "rotary_embedding: cos and sin must be contiguous float32 [T, head_dim / 2]");
+  dispatch<Rotary>(q.scalar_type(), "rotary_embedding", q, k, cos, sin);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(atom, m) {
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.def("rotary_embedding(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(atom, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rotary_embedding", &rotary_embedding);
+}

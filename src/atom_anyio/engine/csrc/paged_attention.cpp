@@ -1,0 +1,320 @@
+// Paged attention on CPU that reads the KV cache where it lies.
+//
+// One call serves a whole step: decodes and prefill chunks (over a cached
+// prefix or not), causal, GQA. The work is split into units of
+// (sequence, kv head, tile of query tokens); each unit streams its context
+// block by block through the block table with an online softmax, so the
+// memory read is the sum of the contexts, with no gathered or padded copy.
+// When there are too few units to keep every thread busy (a few long
+// decodes), each unit's keys are split into partitions whose partial
+// results are merged afterwards (flash-decoding).
+//
+// Inner loops: a KV block is staged as float (K transposed, [D][16]) so the
+// score and value micro-kernels are plain fixed-width FMA loops over rows
+// held in registers; exp is vectorised with AVX2 when the compiler targets it.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "vec.h"
+
+namespace {
+
+using namespace atom;
+
+constexpr int KW = 16;  // keys per chunk: two 8-float vectors
+constexpr int RB = 6;   // rows per register block (12 accumulators)
+constexpr int PREFETCH_CHUNKS = 2;  // how far ahead the next chunks are fetched into L2
+
+// the next chunk's keys and values (all heads: n consecutive slots), ahead of their use: blocks
+// are scattered, so the hardware prefetcher cannot know where the next one is
+template <typename T>
+inline void prefetch_chunk(const T* k, const T* v, int64_t bytes) {
+  const char* kc = reinterpret_cast<const char*>(k);
+  const char* vc = reinterpret_cast<const char*>(v);
+  for (int64_t b = 0; b < bytes; b += 64) {
+    __builtin_prefetch(kc + b, 0, 2);
+    __builtin_prefetch(vc + b, 0, 2);
+  }
+}
+
+// kt[d][j] = key j of the chunk, as float; keys j >= n are zero
+template <typename T>
+inline void stage_keys(const T* k, int64_t ld, int n, int D, float* kt) {
+  for (int d = 0; d < D; d += 8) {
+    transpose8(k + d, ld, n, kt + d * KW, KW);
+    transpose8(k + 8 * ld + d, ld, n - 8, kt + d * KW + 8, KW);
+  }
+}
+
+// Few rows (decodes) leave too few independent FMA chains to hide their latency, so rows under
+// RB / 2 keep a second set of accumulators (even and odd steps) and add them at the end.
+template <int NR>
+constexpr int num_sets = NR <= RB / 2 ? 2 : 1;
+
+// s[r] = q[r] . k[j] for NR rows and the chunk's KW keys
+template <int NR>
+inline void scores(const float* q, int D, const float* kt, V8 (*s)[2]) {
+  constexpr int A = num_sets<NR>;
+  V8 acc[A][NR][2];
+  for (int a = 0; a < A; ++a)
+    for (int r = 0; r < NR; ++r) acc[a][r][0] = acc[a][r][1] = splat(0.f);
+  for (int d = 0; d < D; d += A)
+    for (int a = 0; a < A; ++a) {
+      const V8 k0 = load(kt + (d + a) * KW), k1 = load(kt + (d + a) * KW + 8);
+      for (int r = 0; r < NR; ++r) {
+        const V8 qv = splat(q[r * D + d + a]);
+        acc[a][r][0] = fma(qv, k0, acc[a][r][0]);
+        acc[a][r][1] = fma(qv, k1, acc[a][r][1]);
+      }
+    }
+  for (int r = 0; r < NR; ++r) {
+    s[r][0] = acc[0][r][0], s[r][1] = acc[0][r][1];
+    if constexpr (A == 2) s[r][0] = add(s[r][0], acc[1][r][0]), s[r][1] = add(s[r][1], acc[1][r][1]);
+  }
+}
+
+// o[r] += sum_j p[r][j] v[j] for NR rows over n keys (p is zero past n)
+template <int NR>
+inline void values(const float* p, const float* v, int64_t ldv, int n, int D, float* o) {
+  constexpr int A = num_sets<NR>;
+  const int n_even = n & ~(A - 1);
+  for (int d0 = 0; d0 < D; d0 += KW) {
+    V8 acc[A][NR][2];
+    for (int r = 0; r < NR; ++r) {
+      acc[0][r][0] = load(o + r * D + d0), acc[0][r][1] = load(o + r * D + d0 + 8);
+      if constexpr (A == 2) acc[1][r][0] = acc[1][r][1] = splat(0.f);
+    }
+    for (int j = 0; j < n_even; j += A)
+      for (int a = 0; a < A; ++a) {
+        const V8 v0 = load(v + (j + a) * ldv + d0), v1 = load(v + (j + a) * ldv + d0 + 8);
+        for (int r = 0; r < NR; ++r) {
+          const V8 pv = splat(p[r * KW + j + a]);
+          acc[a][r][0] = fma(pv, v0, acc[a][r][0]);
+          acc[a][r][1] = fma(pv, v1, acc[a][r][1]);
+        }
+      }
+    for (int j = n_even; j < n; ++j) {
+      const V8 v0 = load(v + j * ldv + d0), v1 = load(v + j * ldv + d0 + 8);
+      for (int r = 0; r < NR; ++r) {
+        const V8 pv = splat(p[r * KW + j]);
+        acc[0][r][0] = fma(pv, v0, acc[0][r][0]);
+        acc[0][r][1] = fma(pv, v1, acc[0][r][1]);
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      if constexpr (A == 2) acc[0][r][0] = add(acc[0][r][0], acc[1][r][0]), acc[0][r][1] = add(acc[0][r][1], acc[1][r][1]);
+      store(o + r * D + d0, acc[0][r][0]), store(o + r * D + d0 + 8, acc[0][r][1]);
+    }
+  }
+}
+
+// one chunk of keys [key0, key0 + n) for NR rows: scores, online softmax, values
+template <int NR>
+inline void rows_chunk(const float* q, int D, const float* kt, const float* v, int64_t ldv, int n, const int* qpos,
+                       int key0, float* m, float* l, float* o) {
+  V8 s[NR][2];
+  float p[NR * KW];
+  scores<NR>(q, D, kt, s);
+  for (int r = 0; r < NR; ++r) {
+    const int visible = std::min(n, qpos[r] - key0 + 1);  // causal: keys up to the row's own position
+    const V8 s0 = mask_from(s[r][0], visible), s1 = mask_from(s[r][1], visible - 8);
+    const float mx = std::max(m[r], hmax(max(s0, s1)));
+    if (mx == NEG_INF) {  // nothing visible yet for this row
+      store(p + r * KW, splat(0.f)), store(p + r * KW + 8, splat(0.f));
+      continue;
+    }
+    const V8 e0 = exp(sub(s0, splat(mx))), e1 = exp(sub(s1, splat(mx)));
+    store(p + r * KW, e0), store(p + r * KW + 8, e1);
+    const float alpha = m[r] == NEG_INF ? 0.f : std::exp(m[r] - mx);
+    l[r] = l[r] * alpha + hsum(add(e0, e1));
+    m[r] = mx;
+    if (alpha != 1.f)
+      for (int d = 0; d < D; d += 8) store(o + r * D + d, mul(load(o + r * D + d), splat(alpha)));
+  }
+  values<NR>(p, v, ldv, n, D, o);
+}
+
+template <int NR = RB>
+inline void rows_dispatch(int rows, const float* q, int D, const float* kt, const float* v, int64_t ldv, int n,
+                          const int* qpos, int key0, float* m, float* l, float* o) {
+  if constexpr (NR > 0) {
+    if (rows >= NR) {
+      rows_chunk<NR>(q, D, kt, v, ldv, n, qpos, key0, m, l, o);
+      rows_dispatch<NR>(rows - NR, q + NR * D, D, kt, v, ldv, n, qpos + NR, key0, m + NR, l + NR, o + NR * D);
+    } else {
+      rows_dispatch<NR - 1>(rows, q, D, kt, v, ldv, n, qpos, key0, m, l, o);
+    }
+  }
+}
+
+struct Unit {
+  int seq, q_begin, q_end;  // query tokens [q_begin, q_end) of the sequence, every head
+};
+
+template <typename T>
+void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+         const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start, int64_t block_size,
+         double scale) {
+  const int H = q.size(1), D = q.size(2), KVH = k_cache.size(1), G = H / KVH;
+  const int B = seq_lens.size(0), max_blocks = block_tables.size(1), BS = block_size;
+  const int* tables = block_tables.data_ptr<int>();
+  const int* lens = seq_lens.data_ptr<int>();
+  const int* qstart = query_start.data_ptr<int>();
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t slot_stride = int64_t(KVH) * D;
+
+  // A unit is a tile of one sequence's query tokens with all its heads, so a chunk of KV
+  // (consecutive slots, every head) is read once, in one piece. About 36 rows per kv head.
+  const int tile = std::max(1, 36 / G);
+  std::vector<Unit> units;
+  int max_ctx = 0;
+  for (int b = 0; b < B; ++b) {
+    const int nq = qstart[b + 1] - qstart[b];
+    max_ctx = std::max(max_ctx, lens[b]);
+    for (int i = 0; i < nq; i += tile) units.push_back({b, i, std::min(nq, i + tile)});
+  }
+  const int num_units = units.size();
+  // too few units for the threads (a few long decodes): split the keys, merge afterwards
+  const int threads = at::get_num_threads();
+  const int max_splits = std::max(1, (max_ctx + 511) / 512);
+  const int splits = std::min(max_splits, std::max(1, (4 * threads + num_units - 1) / num_units));
+  const int part = ((max_ctx + splits - 1) / splits + BS - 1) / BS * BS;
+  const int max_rows = tile * H;  // rows: kv head major, then query token, then head of the group
+  std::vector<float> partial_o, partial_ml;
+  if (splits > 1) {
+    partial_o.assign(size_t(num_units) * splits * max_rows * D, 0.f);
+    partial_ml.assign(size_t(num_units) * splits * max_rows * 2, 0.f);
+  }
+  auto out_row = [&](const Unit& u, int nt, int r) {
+    const int h = r / (nt * G), i = u.q_begin + (r / G) % nt, g = r % G;
+    return op + (int64_t(qstart[u.seq] + i) * H + h * G + g) * D;
+  };
+
+  at::parallel_for(0, int64_t(num_units) * splits, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qs(max_rows * D), o(max_rows * D), kt(D * KW), vb(KW * D), m(max_rows), l(max_rows);
+    std::vector<int> qpos(max_rows);
+    for (int64_t item = begin; item < end; ++item) {
+      const Unit& u = units[item / splits];
+      const int split = item % splits;
+      const int ctx = lens[u.seq], first_pos = ctx - (qstart[u.seq + 1] - qstart[u.seq]);
+      const int nt = u.q_end - u.q_begin, rows = nt * H, group_rows = nt * G;
+      const int key_hi = std::min({ctx, first_pos + u.q_end, (split + 1) * part});  // causal bound of the tile
+      const int key_lo = split * part;
+      for (int r = 0; r < rows; ++r) {  // scaled, as float
+        const int h = r / group_rows, i = u.q_begin + (r / G) % nt, g = r % G;
+        const T* src = qp + (int64_t(qstart[u.seq] + i) * H + h * G + g) * D;
+        for (int d = 0; d < D; ++d) qs[r * D + d] = float(src[d]) * float(scale);
+        qpos[r] = first_pos + i;
+      }
+      std::fill(o.begin(), o.begin() + rows * D, 0.f);
+      std::fill(m.begin(), m.begin() + rows, NEG_INF);
+      std::fill(l.begin(), l.begin() + rows, 0.f);
+      const int* table = tables + int64_t(u.seq) * max_blocks;
+      auto slot_of = [&](int key) { return int64_t(table[key / BS]) * BS + key % BS; };
+      for (int key0 = key_lo, n = 0; key0 < key_hi; key0 += n) {
+        n = std::min({KW, key_hi - key0, BS - key0 % BS});  // a chunk never crosses a block
+        const int64_t slot = slot_of(key0);
+        const int ahead = key0 + PREFETCH_CHUNKS * n;
+        if (ahead < key_hi)
+          prefetch_chunk(kp + slot_of(ahead) * slot_stride, vp + slot_of(ahead) * slot_stride,
+                         std::min({KW, key_hi - ahead, BS - ahead % BS}) * slot_stride * int64_t(sizeof(T)));
+        for (int h = 0; h < KVH; ++h) {
+          const T* kb = kp + slot * slot_stride + int64_t(h) * D;
+          const T* vsrc = vp + slot * slot_stride + int64_t(h) * D;
+          stage_keys(kb, slot_stride, n, D, kt.data());
+          const float* v;
+          int64_t ldv;
+          if constexpr (std::is_same_v<T, float>) {
+            v = vsrc;
+            ldv = slot_stride;
+          } else {
+            for (int j = 0; j < n; ++j)
+              for (int d = 0; d < D; d += 8) store(&vb[j * D + d], load_as_float(vsrc + j * slot_stride + d));
+            v = vb.data();
+            ldv = D;
+          }
+          const int r0 = h * group_rows;
+          rows_dispatch(group_rows, &qs[r0 * D], D, kt.data(), v, ldv, n, &qpos[r0], key0, &m[r0], &l[r0],
+                        &o[r0 * D]);
+        }
+      }
+      if (splits > 1) {  // partial: unnormalised output, running max and sum
+        const size_t base = (size_t(item / splits) * splits + split) * max_rows;
+        std::copy(o.begin(), o.begin() + rows * D, partial_o.begin() + base * D);
+        for (int r = 0; r < rows; ++r) {
+          partial_ml[(base + r) * 2] = m[r];
+          partial_ml[(base + r) * 2 + 1] = l[r];
+        }
+        continue;
+      }
+      for (int r = 0; r < rows; ++r) {
+        T* dst = out_row(u, nt, r);
+        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+        for (int d = 0; d < D; ++d) dst[d] = T(o[r * D + d] * inv);
+      }
+    }
+  });
+  if (splits == 1) return;
+  at::parallel_for(0, num_units, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(D);
+    for (int64_t ui = begin; ui < end; ++ui) {
+      const Unit& u = units[ui];
+      const int nt = u.q_end - u.q_begin;
+      for (int r = 0; r < nt * H; ++r) {
+        float mx = NEG_INF;
+        for (int s = 0; s < splits; ++s) mx = std::max(mx, partial_ml[((ui * splits + s) * max_rows + r) * 2]);
+        std::fill(acc.begin(), acc.end(), 0.f);
+        float sum = 0.f;
+        for (int s = 0; s < splits; ++s) {
+          const size_t base = (ui * splits + s) * max_rows + r;
+          const float ms = partial_ml[base * 2];
+          if (ms == NEG_INF) continue;  // a split past the row's causal bound
+          const float w = std::exp(ms - mx);
+          sum += w * partial_ml[base * 2 + 1];
+          for (int d = 0; d < D; ++d) acc[d] += w * partial_o[base * D + d];
+        }
+        T* dst = out_row(u, nt, r);
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+        for (int d = 0; d < D; ++d) dst[d] = T(acc[d] * inv);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// out[t, h] = softmax(q[t, h] . K^T * scale) V over the causal context of
+// t's sequence, K and V read from the paged cache through block_tables.
+void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start,
+                     int64_t block_size, double scale) {
+  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "paged_attention: q, out and the caches must be contiguous");
+  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "paged_attention: heads must be a multiple of kv heads");
+  TORCH_CHECK(q.size(2) % KW == 0, "paged_attention: head_dim must be a multiple of 16");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  query_start.scalar_type() == at::kInt,
+              "paged_attention: block_tables, seq_lens and query_start must be int32");
+  switch (q.scalar_type()) {
+    case at::kFloat: return run<float>(out, q, k_cache, v_cache, block_tables, seq_lens, query_start, block_size, scale);
+    case at::kBFloat16:
+      return run<c10::BFloat16>(out, q, k_cache, v_cache, block_tables, seq_lens, query_start, block_size, scale);
+    case at::kHalf: return run<c10::Half>(out, q, k_cache, v_cache, block_tables, seq_lens, query_start, block_size, scale);
+    default: TORCH_CHECK(false, "paged_attention: unsupported dtype ", q.scalar_type());
+  }
+}
+
+TORCH_LIBRARY(atom, m) {
+  m.def(
+      "paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+      "Tensor seq_lens, Tensor query_start, int block_size, float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(atom, CPU, m) { m.impl("paged_attention", &paged_attention); }

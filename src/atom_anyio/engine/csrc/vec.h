@@ -1,0 +1,146 @@
+// Eight floats at a time: AVX2 + FMA where the compiler targets them (the
+// build uses -march=native), plain loops elsewhere. Shared by the kernels.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+namespace atom {
+
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+// Eight floats: AVX2 where the compiler targets it, plain loops elsewhere.
+#if defined(__AVX2__) && defined(__FMA__)
+struct V8 {
+  __m256 v;
+};
+inline V8 load(const float* p) { return {_mm256_loadu_ps(p)}; }
+inline void store(float* p, V8 a) { _mm256_storeu_ps(p, a.v); }
+inline V8 splat(float x) { return {_mm256_set1_ps(x)}; }
+inline V8 fma(V8 a, V8 b, V8 c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+inline V8 mul(V8 a, V8 b) { return {_mm256_mul_ps(a.v, b.v)}; }
+inline V8 div(V8 a, V8 b) { return {_mm256_div_ps(a.v, b.v)}; }
+inline V8 sub(V8 a, V8 b) { return {_mm256_sub_ps(a.v, b.v)}; }
+inline V8 max(V8 a, V8 b) { return {_mm256_max_ps(a.v, b.v)}; }
+inline V8 add(V8 a, V8 b) { return {_mm256_add_ps(a.v, b.v)}; }
+inline float hmax(V8 a) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(x, _mm_shuffle_ps(x, x, 1)));
+}
+inline float hsum(V8 a) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_shuffle_ps(x, x, 1)));
+}
+// keys j >= n are masked out
+inline V8 mask_from(V8 a, int first_masked_lane) {
+  const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256 keep = _mm256_cmp_ps(lane, _mm256_set1_ps(float(first_masked_lane)), _CMP_LT_OQ);
+  return {_mm256_blendv_ps(_mm256_set1_ps(NEG_INF), a.v, keep)};
+}
+// exp: Cephes' range reduction and degree-5 polynomial (about 1 ulp); 0 below -88
+inline V8 exp(V8 a) {
+  __m256 x = a.v;
+  const __m256 lo = _mm256_set1_ps(-88.3762626647949f);
+  __m256 tiny = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), lo);
+  __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 z = _mm256_mul_ps(x, x);
+  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+  y = _mm256_fmadd_ps(y, z, _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return {_mm256_andnot_ps(tiny, _mm256_mul_ps(y, _mm256_castsi256_ps(e)))};
+}
+template <typename T>
+inline V8 load_as_float(const T* p);
+template <>
+inline V8 load_as_float(const float* p) { return load(p); }
+template <>
+inline V8 load_as_float(const c10::BFloat16* p) {
+  __m256i x = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(x, 16))};
+}
+template <>
+inline V8 load_as_float(const c10::Half* p) {
+  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
+}
+// dst[d][j] = src row j, column d (8 rows of 8 from src, stride ld) as float
+template <typename T>
+inline void transpose8(const T* src, int64_t ld, int n, float* dst, int ldd) {
+  __m256 r[8];
+  for (int j = 0; j < 8; ++j) r[j] = j < n ? load_as_float(src + j * ld).v : _mm256_setzero_ps();
+  __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  _mm256_storeu_ps(dst + 0 * ldd, _mm256_permute2f128_ps(u0, u4, 0x20));
+  _mm256_storeu_ps(dst + 1 * ldd, _mm256_permute2f128_ps(u1, u5, 0x20));
+  _mm256_storeu_ps(dst + 2 * ldd, _mm256_permute2f128_ps(u2, u6, 0x20));
+  _mm256_storeu_ps(dst + 3 * ldd, _mm256_permute2f128_ps(u3, u7, 0x20));
+  _mm256_storeu_ps(dst + 4 * ldd, _mm256_permute2f128_ps(u0, u4, 0x31));
+  _mm256_storeu_ps(dst + 5 * ldd, _mm256_permute2f128_ps(u1, u5, 0x31));
+  _mm256_storeu_ps(dst + 6 * ldd, _mm256_permute2f128_ps(u2, u6, 0x31));
+  _mm256_storeu_ps(dst + 7 * ldd, _mm256_permute2f128_ps(u3, u7, 0x31));
+}
+#else
+struct V8 {
+  float v[8];
+};
+inline V8 load(const float* p) { V8 a; for (int i = 0; i < 8; ++i) a.v[i] = p[i]; return a; }
+inline void store(float* p, V8 a) { for (int i = 0; i < 8; ++i) p[i] = a.v[i]; }
+inline V8 splat(float x) { V8 a; for (int i = 0; i < 8; ++i) a.v[i] = x; return a; }
+inline V8 fma(V8 a, V8 b, V8 c) { for (int i = 0; i < 8; ++i) c.v[i] += a.v[i] * b.v[i]; return c; }
+inline V8 mul(V8 a, V8 b) { for (int i = 0; i < 8; ++i) a.v[i] *= b.v[i]; return a; }
+inline V8 div(V8 a, V8 b) { for (int i = 0; i < 8; ++i) a.v[i] /= b.v[i]; return a; }
+inline V8 sub(V8 a, V8 b) { for (int i = 0; i < 8; ++i) a.v[i] -= b.v[i]; return a; }
+inline V8 max(V8 a, V8 b) { for (int i = 0; i < 8; ++i) a.v[i] = std::max(a.v[i], b.v[i]); return a; }
+inline V8 add(V8 a, V8 b) { for (int i = 0; i < 8; ++i) a.v[i] += b.v[i]; return a; }
+inline float hmax(V8 a) { float m = a.v[0]; for (int i = 1; i < 8; ++i) m = std::max(m, a.v[i]); return m; }
+inline float hsum(V8 a) { float s = 0.f; for (int i = 0; i < 8; ++i) s += a.v[i]; return s; }
+inline V8 mask_from(V8 a, int first) { for (int i = std::max(first, 0); i < 8; ++i) a.v[i] = NEG_INF; return a; }
+inline V8 exp(V8 a) { for (int i = 0; i < 8; ++i) a.v[i] = std::exp(a.v[i]); return a; }
+template <typename T>
+inline V8 load_as_float(const T* p) { V8 a; for (int i = 0; i < 8; ++i) a.v[i] = float(p[i]); return a; }
+template <typename T>
+inline void transpose8(const T* src, int64_t ld, int n, float* dst, int ldd) {
+  for (int j = 0; j < 8; ++j)
+    for (int d = 0; d < 8; ++d) dst[d * ldd + j] = j < n ? float(src[j * ld + d]) : 0.f;
+}
+#endif
+
+
+// stores eight floats as T (round to nearest even for the 16-bit types)
+template <typename T>
+inline void store_as(T* p, V8 a) {
+  if constexpr (std::is_same_v<T, float>) {
+    store(p, a);
+  } else {
+    float tmp[8];
+    store(tmp, a);
+    for (int i = 0; i < 8; ++i) p[i] = T(tmp[i]);
+  }
+}
+
+}  // namespace atom

@@ -1,0 +1,79 @@
+"""The decoder's elementwise ops, twice: ``TorchOps`` (the reference, plain
+torch on any device) and ``CpuOps`` (the fused C++ kernels of
+``engine/csrc/ops.cpp``: one pass and one dispatch each, where the reference
+spends six to twelve small ops per call). The model holds one of them, chosen
+with its attention backend at construction."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class TorchOps:
+    name = "torch"
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * x.to(dtype)
+
+    @classmethod
+    def add_rms_norm(
+        cls, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``residual + x`` normalised, and ``residual + x`` itself (the next residual)."""
+        residual = residual + x
+        return cls.rms_norm(residual, weight, eps), residual
+
+    @staticmethod
+    def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Rotate-half RoPE of ``q [T, H, D]`` and ``k [T, KVH, D]``; ``cos``, ``sin``: ``[T, D/2]`` float32."""
+        cos = torch.cat((cos, cos), dim=-1)[:, None, :].to(q.dtype)
+        sin = torch.cat((sin, sin), dim=-1)[:, None, :].to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class CpuOps:
+    """Same results as ``TorchOps`` to float rounding; needs ``kernels.load_cpu_kernels()``."""
+
+    name = "cpu"
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        torch.ops.atom.rms_norm(out, x, weight, eps)
+        return out
+
+    @staticmethod
+    def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+        x, residual = x.contiguous(), residual.contiguous()
+        torch.ops.atom.add_rms_norm(x, residual, weight, eps)  # in place: both are this step's own
+        return x, residual
+
+    @staticmethod
+    def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+        out = x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
+        torch.ops.atom.silu_and_mul(out, x.contiguous())
+        return out
+
+    @staticmethod
+    def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        torch.ops.atom.rotary_embedding(q, k, cos, sin)  # in place, through the qkv buffer's views
+        return q, k
+
+
+Ops = type[TorchOps] | type[CpuOps]
