@@ -69,6 +69,53 @@ def reference16(tiny_model, prompts16):
     return [greedy_ids(llm, [p])[0] for p in prompts16]
 
 
+def first_divergence_within_top_k(ours: list[int], our_top: list[set[int]], ref: list[int], ref_top: list[set[int]]):
+    """The standard low-precision comparison: the tokens are equal, or at the
+    first step where they differ each side's token is in the other's top k
+    (after that the two continue from different text)."""
+    for i, (a, b) in enumerate(zip(ours, ref, strict=True)):
+        if a != b:
+            assert a in ref_top[i] and b in our_top[i], f"step {i}: ours {a} not in {ref_top[i]} or {b} not in {our_top[i]}"
+            return i
+    return None
+
+
+def test_smollm2_bfloat16_greedy_matches_transformers_bfloat16_within_top5(smollm2_path):
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    from atom_anyio.models.loader import load_model
+
+    hf = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path), dtype=torch.bfloat16
+    ).eval()
+    loaded = load_model(None, dtype="bfloat16")
+    assert next(loaded.model.parameters()).dtype is torch.bfloat16
+    tok = loaded.tokenizer
+    llm = LLM(loaded)
+    for question in ["What is the capital of France?", "Write a haiku about the sea."]:
+        text = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False)
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
+        out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0]
+        our_top = [{t for t, _ in lp.top} | {lp.token_id} for lp in out.logprobs]
+        with torch.inference_mode():
+            x = torch.tensor([ids])
+            ref = hf.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=24,
+                do_sample=False,
+                eos_token_id=None,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+        ref_ids = ref.sequences[0, len(ids) :].tolist()
+        ref_top = [set(step[0].topk(5).indices.tolist()) for step in ref.logits]
+        first_divergence_within_top_k(list(out.token_ids), our_top, ref_ids, ref_top)
+
+
 def test_smollm2_greedy_equals_transformers(smollm2, smollm2_path):
     import os
 

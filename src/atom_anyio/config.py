@@ -26,7 +26,7 @@ class Config:
     max_num_batched_tokens: int = 2048
     kv_cache_gib: float = 2.0
     block_size: int = 16
-    num_threads: int | None = None  # torch threads on CPU; default all cores but one (the event loop's)
+    num_threads: int | None = None  # torch threads on CPU; default every core
     api_key: str | None = field(default=None, repr=False)
     host: str = "127.0.0.1"
     port: int = 8000

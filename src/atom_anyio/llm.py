@@ -7,7 +7,6 @@ Each call runs the same async engine loop the server runs, inside
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,8 +63,6 @@ class LLM:
             self.loaded = model
         else:
             self.loaded = load_model(model, dtype=dtype, device=device, attention_backend=attention_backend)
-        # offline, the event loop idles while a step runs: the forward may use every core
-        engine_kwargs.setdefault("num_threads", os.cpu_count() or 1)
         self.engine = Engine(self.loaded, EngineConfig(**engine_kwargs))
         self.tokenizer = self.loaded.tokenizer
         self.prepare_ctx = PrepareContext(

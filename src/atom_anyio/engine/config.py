@@ -17,10 +17,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_consecutive_step_failures: int = 3  # then the engine is marked unhealthy
     max_pending_deltas: int = 64  # unread deltas per request before new ones are merged into them
-    # torch intra-op threads for the forward on CPU; None: all cores but one, which is left to the
-    # event loop (OpenMP threads spinning against a busy loop thread make every step many times slower)
+    # torch intra-op threads for the forward on CPU; None: every core. The forward leaves the GIL, and on
+    # the 2-core VM two threads served 1.6x the output of one at c16 (docs/performance.md)
     num_threads: int | None = None
 
     @property
     def cpu_threads(self) -> int:
-        return self.num_threads or max(1, (os.cpu_count() or 2) - 1)
+        return self.num_threads or os.cpu_count() or 1

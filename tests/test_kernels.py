@@ -1,0 +1,187 @@
+"""The C++ CPU kernels against their references (the portable torch attention
+and ``TorchOps``), the backend choice, and the fallback without a compiler."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from atom_anyio.engine import kernels
+from atom_anyio.engine.attention import (
+    AttentionMetadata,
+    CpuPagedAttention,
+    TorchPagedAttention,
+    select_backend,
+)
+from atom_anyio.models.ops import CpuOps, TorchOps
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    if (error := kernels.load_cpu_kernels()) is not None:
+        pytest.skip(f"the CPU kernels could not be built here: {error}")
+
+
+def paged_step(
+    query_lens: list[int],
+    context_lens: list[int],
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    shared_prefix_blocks: int = 0,
+):
+    """A random step over a paged cache whose blocks are scattered (shuffled);
+    the first ``shared_prefix_blocks`` blocks of every sequence are the same
+    physical blocks, as after prefix-cache hits."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-c // block_size) for c in context_lens]
+    num_blocks = sum(need) + 4
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    shared, order = order[:shared_prefix_blocks], order[shared_prefix_blocks:]
+    tables = []
+    for n in need:
+        own = n - shared_prefix_blocks
+        tables.append(shared + order[:own])
+        order = order[own:]
+    shape = (num_blocks * block_size, kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=g).to(dtype)
+    v_cache = torch.randn(shape, generator=g).to(dtype)
+    t = sum(query_lens)
+    q = torch.randn(t, heads, head_dim, generator=g).to(dtype)
+    k = torch.randn(t, kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(t, kv_heads, head_dim, generator=g).to(dtype)
+    meta = AttentionMetadata.build(tables, context_lens, query_lens, block_size, torch.device("cpu"))
+    return q, k, v, k_cache, v_cache, meta
+
+
+def both(step) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    q, k, v, k_cache, v_cache, meta = step
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    ref = TorchPagedAttention().forward(q, k, v, ref_k, ref_v, meta)
+    out = CpuPagedAttention().forward(q, k, v, k_cache, v_cache, meta)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)  # the step's K/V written alike
+    return out, ref, k_cache, ref_k
+
+
+LAYOUTS = {
+    # decodes only, contexts across block boundaries
+    "decodes": ([1, 1, 1, 1], [2, 16, 17, 95]),
+    # decodes and prefill chunks in one step: a fresh prompt and a chunk over a computed prefix
+    "mixed": ([1, 1, 9, 40], [300, 33, 9, 140]),
+    # one chunk that starts mid-block
+    "chunk_mid_block": ([23], [61]),
+    # a fresh prompt alone (the portable path's plain causal case)
+    "fresh": ([37], [37]),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (9, 3), (4, 1)])
+@pytest.mark.parametrize("head_dim,block_size", [(64, 16), (128, 16), (64, 4), (32, 32)])
+def test_cpu_attention_equals_the_portable_path(layout, heads, kv_heads, head_dim, block_size):
+    query_lens, context_lens = LAYOUTS[layout]
+    out, ref, *_ = both(paged_step(query_lens, context_lens, heads, kv_heads, head_dim, block_size))
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-6)
+
+
+def test_cpu_attention_over_shared_prefix_blocks_equals_the_portable_path():
+    step = paged_step([1, 1, 30], [200, 260, 230], 8, 2, 64, 16, shared_prefix_blocks=10)
+    out, ref, *_ = both(step)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("context", [4096, 32768])
+def test_long_decodes_split_over_the_keys_equal_the_portable_path(context):
+    # two long decodes and a short one: few sequences, so the kernel splits the keys and merges
+    step = paged_step([1, 1, 1], [context, context - 5, 7], 4, 2, 64, 16, seed=3)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            out, ref, *_ = both(step)
+            torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-6)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_long_prefill_chunk_over_a_long_prefix_equals_the_portable_path():
+    out, ref, *_ = both(paged_step([1, 300], [3000, 20000], 9, 3, 64, 16, seed=4))
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cpu_attention_in_16_bit_matches_a_float32_reference(dtype):
+    q, k, v, k_cache, v_cache, meta = paged_step([1, 1, 12], [50, 70, 30], 8, 2, 64, 16, dtype=dtype)
+    out = CpuPagedAttention().forward(q, k, v, k_cache, v_cache, meta)
+    ref = TorchPagedAttention().forward(q.float(), k.float(), v.float(), k_cache.float(), v_cache.float(), meta)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_fused_ops_equal_the_torch_ops():
+    g = torch.Generator().manual_seed(0)
+    x, res, w = (torch.randn(7, 96, generator=g) for _ in range(3))
+    w = w[0]
+    torch.testing.assert_close(CpuOps.rms_norm(x, w, 1e-5), TorchOps.rms_norm(x, w, 1e-5), atol=1e-6, rtol=1e-6)
+    got, got_res = CpuOps.add_rms_norm(x.clone(), res.clone(), w, 1e-5)
+    want, want_res = TorchOps.add_rms_norm(x, res, w, 1e-5)
+    assert torch.equal(got_res, want_res)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    gate_up = torch.randn(7, 2 * 64, generator=g) * 4
+    torch.testing.assert_close(CpuOps.silu_and_mul(gate_up), TorchOps.silu_and_mul(gate_up), atol=1e-6, rtol=1e-6)
+    qkv = torch.randn(7, (4 + 2 * 2) * 32, generator=g)  # q, k as views of one projection, as in the model
+    q, k = qkv[:, :128].view(7, 4, 32), qkv[:, 128:192].view(7, 2, 32)
+    angles = torch.arange(7.0)[:, None] * torch.rand(16, generator=g)[None, :]
+    cos, sin = angles.cos(), angles.sin()
+    want_q, want_k = TorchOps.rotary(q.clone(), k.clone(), cos, sin)
+    got_q, got_k = CpuOps.rotary(q, k, cos, sin)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+
+
+def test_select_backend_names_and_refusals(monkeypatch):
+    monkeypatch.delenv("ATOM_ATTENTION_BACKEND", raising=False)
+    assert select_backend(torch.device("cpu")).name == "cpu"
+    assert select_backend(torch.device("cpu"), "auto").name == "cpu"
+    assert select_backend(torch.device("cpu"), "torch").name == "torch"
+    with pytest.raises(ValueError, match="attention_backend must be one of auto, cpu, torch"):
+        select_backend(torch.device("cpu"), "flash")
+    with pytest.raises(ValueError, match="runs on the CPU"):
+        select_backend(torch.device("meta"), "cpu")
+
+
+def test_environment_variable_picks_the_backend(monkeypatch):
+    monkeypatch.setenv("ATOM_ATTENTION_BACKEND", "torch")
+    assert select_backend(torch.device("cpu")).name == "torch"
+
+
+FALLBACK = """
+import json, torch
+from atom_anyio.engine import kernels
+from atom_anyio.engine.attention import select_backend
+error = kernels.load_cpu_kernels()
+backend = select_backend(torch.device("cpu"))
+try:
+    select_backend(torch.device("cpu"), "cpu")
+    explicit = None
+except RuntimeError as exc:
+    explicit = str(exc)
+print(json.dumps({"error": error, "backend": backend.name, "ops": backend.ops.name, "explicit": explicit}))
+"""
+
+
+def test_without_a_compiler_auto_falls_back_to_the_portable_path(tmp_path):
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path), "CXX": str(tmp_path / "no-such-compiler")}
+    env.pop("ATOM_ATTENTION_BACKEND", None)
+    run = subprocess.run([sys.executable, "-c", FALLBACK], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["error"] and result["backend"] == "torch" and result["ops"] == "torch"
+    assert "attention_backend 'cpu' is unavailable" in result["explicit"]
+    assert "kernels.unavailable" in run.stdout + run.stderr  # one clear log line
