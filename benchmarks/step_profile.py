@@ -26,7 +26,12 @@ from atom_anyio.engine.attention import AttentionMetadata
 from atom_anyio.models.loader import load_model
 
 # the portable path gathers each context with index_select: that is attention too
-ATTENTION_OPS = {"atom::paged_attention", "aten::scaled_dot_product_attention", "aten::index_copy_", "aten::index_select"}
+ATTENTION_OPS = {
+    "atom::paged_attention",
+    "aten::scaled_dot_product_attention",
+    "aten::index_copy_",
+    "aten::index_select",
+}
 GEMM_OPS = {"aten::mm", "aten::addmm", "aten::linear", "aten::matmul"}
 
 
