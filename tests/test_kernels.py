@@ -62,13 +62,13 @@ def paged_step(
     return q, k, v, k_cache, v_cache, meta
 
 
-def both(step) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def both(step) -> tuple[torch.Tensor, torch.Tensor]:
     q, k, v, k_cache, v_cache, meta = step
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
     ref = TorchPagedAttention().forward(q, k, v, ref_k, ref_v, meta)
     out = CpuPagedAttention().forward(q, k, v, k_cache, v_cache, meta)
     assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)  # the step's K/V written alike
-    return out, ref, k_cache, ref_k
+    return out, ref
 
 
 LAYOUTS = {
@@ -88,13 +88,13 @@ LAYOUTS = {
 @pytest.mark.parametrize("head_dim,block_size", [(64, 16), (128, 16), (64, 4), (32, 32)])
 def test_cpu_attention_equals_the_portable_path(layout, heads, kv_heads, head_dim, block_size):
     query_lens, context_lens = LAYOUTS[layout]
-    out, ref, *_ = both(paged_step(query_lens, context_lens, heads, kv_heads, head_dim, block_size))
+    out, ref = both(paged_step(query_lens, context_lens, heads, kv_heads, head_dim, block_size))
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-6)
 
 
 def test_cpu_attention_over_shared_prefix_blocks_equals_the_portable_path():
     step = paged_step([1, 1, 30], [200, 260, 230], 8, 2, 64, 16, shared_prefix_blocks=10)
-    out, ref, *_ = both(step)
+    out, ref = both(step)
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-6)
 
 
@@ -106,14 +106,14 @@ def test_long_decodes_split_over_the_keys_equal_the_portable_path(context):
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            out, ref, *_ = both(step)
+            out, ref = both(step)
             torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-6)
     finally:
         torch.set_num_threads(before)
 
 
 def test_long_prefill_chunk_over_a_long_prefix_equals_the_portable_path():
-    out, ref, *_ = both(paged_step([1, 300], [3000, 20000], 9, 3, 64, 16, seed=4))
+    out, ref = both(paged_step([1, 300], [3000, 20000], 9, 3, 64, 16, seed=4))
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-6)
 
 
@@ -194,3 +194,11 @@ def test_linear_streams_few_rows_and_equals_torch(rows, bias):
     x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
     with torch.no_grad():
         torch.testing.assert_close(CpuOps.linear(x, layer), TorchOps.linear(x, layer), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 5, 16])
+def test_lm_head_in_vocabulary_slices_equals_one_gemm(rows):
+    head = torch.nn.Linear(64, 3 * CpuOps.LOGITS_SLICE + 5, bias=False)  # a partial last slice
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
+    with torch.no_grad():
+        torch.testing.assert_close(CpuOps.lm_head(x, head), TorchOps.lm_head(x, head), atol=1e-5, rtol=1e-5)

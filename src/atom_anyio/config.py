@@ -11,6 +11,7 @@ from typing import Any
 
 from atom_anyio.engine.attention import BACKENDS
 from atom_anyio.engine.config import EngineConfig
+from atom_anyio.models.loader import DTYPES
 from atom_anyio.parse import ParserSpec
 
 
@@ -58,8 +59,8 @@ class Config:
             raise ValueError("context_overflow must be 'error' or 'drop_oldest'")
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}")
-        if self.dtype not in ("auto", "float32", "bfloat16"):
-            raise ValueError("dtype must be auto, float32 or bfloat16")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}")
         if self.log_format not in ("json", "console", "auto"):
             raise ValueError("log_format must be json, console or auto")
         if min(self.max_waiting_seqs, self.max_waiting_tokens, self.max_pending_deltas) < 1:

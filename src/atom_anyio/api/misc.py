@@ -64,7 +64,7 @@ def misc_blueprint(server: Server) -> Blueprint:
         return {
             "version": __version__,
             "attention_backend": model and model.attention_backend.name,
-            "dtype": model and str(next(model.parameters()).dtype).removeprefix("torch."),
+            "dtype": model and model.dtype_name,
         }
 
     @bp.get("/metrics")

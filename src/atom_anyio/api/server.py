@@ -175,7 +175,7 @@ class Server:
         log.info(
             "model.loaded",
             model=self.loaded.name,
-            dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+            dtype=model.dtype_name,
             device=cfg.device,
             attention_backend=model.attention_backend.name,
         )

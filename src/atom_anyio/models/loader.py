@@ -79,6 +79,9 @@ def default_model_path() -> str:
     return str(path)
 
 
+DTYPES = ("auto", "float32", "bfloat16")
+
+
 def resolve_dtype(dtype: torch.dtype | str, device: torch.device) -> torch.dtype:
     """``torch.float32``/``torch.bfloat16`` or their names. ``"auto"``: the
     fastest faithful dtype for the device: bfloat16 on GPUs and on CPUs with
@@ -89,7 +92,7 @@ def resolve_dtype(dtype: torch.dtype | str, device: torch.device) -> torch.dtype
     if isinstance(dtype, str):
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype, dtype)
     if dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"unsupported dtype {dtype!r} (supported: float32, bfloat16, auto)")
+        raise ValueError(f"unsupported dtype {dtype!r} (supported: {', '.join(DTYPES)})")
     return dtype
 
 

@@ -167,16 +167,6 @@ void gemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const c10::
   }
 }
 
-template <template <typename> class F, typename... Args>
-void dispatch(at::ScalarType type, const char* name, Args&&... args) {
-  switch (type) {
-    case at::kFloat: return F<float>::run(args...);
-    case at::kBFloat16: return F<c10::BFloat16>::run(args...);
-    case at::kHalf: return F<c10::Half>::run(args...);
-    default: TORCH_CHECK(false, name, ": unsupported dtype ", type);
-  }
-}
-
 template <typename T>
 struct RmsNorm {
   static void run(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, double eps) {

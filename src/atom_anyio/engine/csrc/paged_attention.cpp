@@ -156,7 +156,7 @@ struct Unit {
 };
 
 template <typename T>
-void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start, int64_t block_size,
          double scale) {
   const int H = q.size(1), D = q.size(2), KVH = k_cache.size(1), G = H / KVH;
@@ -288,6 +288,14 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const 
   });
 }
 
+template <typename T>
+struct PagedAttention {
+  template <typename... Args>
+  static void run(Args&&... args) {
+    paged_attention_impl<T>(args...);
+  }
+};
+
 }  // namespace
 
 // out[t, h] = softmax(q[t, h] . K^T * scale) V over the causal context of
@@ -302,13 +310,8 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                   query_start.scalar_type() == at::kInt,
               "paged_attention: block_tables, seq_lens and query_start must be int32");
-  switch (q.scalar_type()) {
-    case at::kFloat: return run<float>(out, q, k_cache, v_cache, block_tables, seq_lens, query_start, block_size, scale);
-    case at::kBFloat16:
-      return run<c10::BFloat16>(out, q, k_cache, v_cache, block_tables, seq_lens, query_start, block_size, scale);
-    case at::kHalf: return run<c10::Half>(out, q, k_cache, v_cache, block_tables, seq_lens, query_start, block_size, scale);
-    default: TORCH_CHECK(false, "paged_attention: unsupported dtype ", q.scalar_type());
-  }
+  dispatch<PagedAttention>(q.scalar_type(), "paged_attention", out, q, k_cache, v_cache, block_tables, seq_lens,
+                           query_start, block_size, scale);
 }
 
 TORCH_LIBRARY(atom, m) {

@@ -2,7 +2,9 @@
 // build uses -march=native), plain loops elsewhere. Shared by the kernels.
 #pragma once
 
+#include <c10/core/ScalarType.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
@@ -140,6 +142,17 @@ inline void store_as(T* p, V8 a) {
     float tmp[8];
     store(tmp, a);
     for (int i = 0; i < 8; ++i) p[i] = T(tmp[i]);
+  }
+}
+
+// F<T>::run(args...) for the kernels' element types: float, bfloat16, float16
+template <template <typename> class F, typename... Args>
+void dispatch(c10::ScalarType type, const char* name, Args&&... args) {
+  switch (type) {
+    case c10::kFloat: return F<float>::run(args...);
+    case c10::kBFloat16: return F<c10::BFloat16>::run(args...);
+    case c10::kHalf: return F<c10::Half>::run(args...);
+    default: TORCH_CHECK(false, name, ": unsupported dtype ", type);
   }
 }
 
