@@ -9,15 +9,23 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from atom_anyio.models import quant
+from atom_anyio.models.quant import QuantizedWeight
+
 
 class TorchOps:
     name = "torch"
 
     @staticmethod
-    def linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
-        return F.linear(x, layer.weight, layer.bias)
+    def linear(x: torch.Tensor, layer: torch.nn.Linear | quant.QuantLinear) -> torch.Tensor:
+        w = layer.weight
+        return F.linear(x, w.dequantize(x.dtype) if isinstance(w, QuantizedWeight) else w, layer.bias)
 
     lm_head = linear
+
+    @staticmethod
+    def dequantize(w: QuantizedWeight) -> torch.Tensor:
+        return w.dequantize()
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -59,8 +67,10 @@ class CpuOps:
     MAX_GEMV_ROWS = 4  # up to here the weights stream once through the kernel; MKL's GEMM beyond
 
     @staticmethod
-    def linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
+    def linear(x: torch.Tensor, layer: torch.nn.Linear | quant.QuantLinear) -> torch.Tensor:
         w = layer.weight
+        if isinstance(w, QuantizedWeight):
+            return quant.cpu_linear(x, w, layer.bias)
         if not 0 < x.shape[0] <= CpuOps.MAX_GEMV_ROWS or w.dtype != torch.float32 or w.shape[1] % 8:
             return F.linear(x, w, layer.bias)
         out = x.new_empty(x.shape[0], w.shape[0])
@@ -75,13 +85,15 @@ class CpuOps:
         so each slice streams once while it is in cache): measured 1.2-1.6x faster
         than one GEMM for 16-64 rows, same bits."""
         w = layer.weight
-        if x.shape[0] <= CpuOps.MAX_GEMV_ROWS or layer.bias is not None:
+        if x.shape[0] <= CpuOps.MAX_GEMV_ROWS or layer.bias is not None or isinstance(w, QuantizedWeight):
             return CpuOps.linear(x, layer)
         out = x.new_empty(w.shape[0], x.shape[0])
         xt = x.t()
         for start in range(0, w.shape[0], CpuOps.LOGITS_SLICE):
             torch.mm(w[start : start + CpuOps.LOGITS_SLICE], xt, out=out[start : start + CpuOps.LOGITS_SLICE])
         return out.t().contiguous()
+
+    dequantize = staticmethod(quant.cpu_dequantize)
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,0 +1,290 @@
+// GGUF block-quantized weights used as they are stored (models/quant.py holds
+// them and has the portable reference of each op):
+//
+// qgemv:       out = x W^T (+ b) for 1-4 rows of float32 x; W's blocks are
+//              dequantized in registers, so the packed bytes stream once
+// dequantize:  out = W as floats (rows of blocks; float32, bfloat16, float16)
+//
+// A row of W is K / 32 blocks of 32 weights, in ggml's layouts:
+//   Q8_0 (34 bytes):  d f16, q int8[32]                 w = d q
+//   Q4_0 (18 bytes):  d f16, nibbles[16]                w = d (q - 8)
+//   Q4_1 (20 bytes):  d f16, m f16, nibbles[16]         w = d q + m
+// where byte j holds weight j in its low nibble and weight j + 16 in its high.
+// The GEMV rounds x to int16 per block of 32 (a = x / dx, dx = max|x| / 32767),
+// multiplies the integer weights by a in int32 (exact) and sums a block as
+// d dx (q . a) + m sum(x), with the float block sums of x; x's blocks are
+// prepared once per call. Q4_0 is Q4_1 with m = -8 d.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <vector>
+
+#include "vec.h"
+
+namespace {
+
+using namespace atom;
+
+constexpr int QK = 32;  // weights per block
+enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  // ggml's type ids
+
+inline int64_t block_bytes(int64_t type) {
+  switch (type) {
+    case Q4_0: return 18;
+    case Q4_1: return 20;
+    case Q8_0: return 34;
+    default: TORCH_CHECK(false, "quantized type ", type, " is not supported (Q4_0, Q4_1, Q8_0)");
+  }
+}
+
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return float(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// one block as 32 float weights q[0..31] (before the scale) and its scale d and offset m: w = d q + m
+template <int64_t Type>
+struct Block {
+  V8 q[4];
+  float d, m;
+};
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline V8 u8_to_float(__m128i bytes) { return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes))}; }
+inline V8 i8_to_float(__m128i bytes) { return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes))}; }
+
+template <int64_t Type>
+inline void decode(const uint8_t* b, Block<Type>& out) {
+  out.d = half_at(b);
+  if constexpr (Type == Q8_0) {
+    const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2));
+    const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18));
+    out.q[0] = i8_to_float(lo), out.q[1] = i8_to_float(_mm_unpackhi_epi64(lo, lo));
+    out.q[2] = i8_to_float(hi), out.q[3] = i8_to_float(_mm_unpackhi_epi64(hi, hi));
+    out.m = 0.f;
+  } else {
+    const int offset = Type == Q4_1 ? 4 : 2;
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + offset));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(bytes, mask);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+    out.q[0] = u8_to_float(lo), out.q[1] = u8_to_float(_mm_unpackhi_epi64(lo, lo));
+    out.q[2] = u8_to_float(hi), out.q[3] = u8_to_float(_mm_unpackhi_epi64(hi, hi));
+    out.m = Type == Q4_1 ? half_at(b + 2) : -8.f * out.d;
+  }
+}
+#else
+template <int64_t Type>
+inline void decode(const uint8_t* b, Block<Type>& out) {
+  float q[QK];
+  out.d = half_at(b);
+  if constexpr (Type == Q8_0) {
+    for (int j = 0; j < QK; ++j) q[j] = float(int8_t(b[2 + j]));
+    out.m = 0.f;
+  } else {
+    const uint8_t* qs = b + (Type == Q4_1 ? 4 : 2);
+    for (int j = 0; j < QK / 2; ++j) q[j] = float(qs[j] & 0x0F), q[j + 16] = float(qs[j] >> 4);
+    out.m = Type == Q4_1 ? half_at(b + 2) : -8.f * out.d;
+  }
+  for (int i = 0; i < 4; ++i) out.q[i] = load(q + 8 * i);
+}
+#endif
+
+// x's rows as int16 blocks: a = round(x / dx) with dx = max |x| / 32767 per block of 32 (a relative error of
+// 2^-16 of the block's largest value, far below float16's), and the blocks' float sums
+struct XBlocks {
+  std::vector<int16_t> a;
+  std::vector<float> dx, xsum;
+
+  XBlocks(const float* x, int64_t rows, int64_t K) : a(rows * K), dx(rows * K / QK), xsum(rows * K / QK) {
+    for (int64_t b = 0; b < rows * K / QK; ++b) {
+      const float* xb = x + b * QK;
+      float amax = 0.f, sum = 0.f;
+      for (int j = 0; j < QK; ++j) amax = std::max(amax, std::abs(xb[j])), sum += xb[j];
+      const float d = amax / 32767.f, inv = d > 0.f ? 1.f / d : 0.f;
+      for (int j = 0; j < QK; ++j) a[b * QK + j] = int16_t(std::nearbyint(xb[j] * inv));
+      dx[b] = d, xsum[b] = sum;
+    }
+  }
+};
+
+#if defined(__AVX2__) && defined(__FMA__)
+struct Weights16 {
+  __m256i lo, hi;  // the block's 32 integer weights as int16, in weight order
+};
+
+template <int64_t Type>
+inline Weights16 block_weights(const uint8_t* b) {
+  if constexpr (Type == Q8_0) {
+    const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2));
+    const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18));
+    return {_mm256_cvtepi8_epi16(lo), _mm256_cvtepi8_epi16(hi)};
+  } else {
+    // widened to 16 bits first, each byte's two nibbles split with one mask and one shift
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (Type == Q4_1 ? 4 : 2)));
+    const __m256i bytes = _mm256_cvtepu8_epi16(packed);
+    return {_mm256_and_si256(bytes, _mm256_set1_epi16(0x0F)), _mm256_srli_epi16(bytes, 4)};
+  }
+}
+
+// the 32 products of the block's weights and a, as eight float partial sums (exact in int32: |q a| < 2^7 2^15)
+inline V8 block_dot(const Weights16& w, const int16_t* a) {
+  const __m256i lo = _mm256_madd_epi16(w.lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a)));
+  const __m256i hi = _mm256_madd_epi16(w.hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 16)));
+  return {_mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi))};
+}
+#else
+struct Weights16 {
+  int32_t q[QK];
+};
+
+template <int64_t Type>
+inline Weights16 block_weights(const uint8_t* b) {
+  Weights16 w;
+  if constexpr (Type == Q8_0) {
+    for (int j = 0; j < QK; ++j) w.q[j] = int8_t(b[2 + j]);
+  } else {
+    const uint8_t* qs = b + (Type == Q4_1 ? 4 : 2);
+    for (int j = 0; j < QK / 2; ++j) w.q[j] = qs[j] & 0x0F, w.q[j + 16] = qs[j] >> 4;
+  }
+  return w;
+}
+
+inline V8 block_dot(const Weights16& w, const int16_t* a) {
+  int32_t sum = 0;
+  for (int j = 0; j < QK; ++j) sum += w.q[j] * a[j];
+  V8 out = splat(0.f);
+  out.v[0] = float(sum);
+  return out;
+}
+#endif
+
+// rows [n0, n1) of W against the M rows of x: per block, d dx (q . a) + m sum(x); even and odd blocks sum
+// apart, so that two chains of additions overlap
+template <int M, int64_t Type>
+void qgemv_rows(const XBlocks& x, int64_t K, const uint8_t* w, float* out, int64_t ldo, const float* bias, int64_t n0,
+                int64_t n1) {
+  constexpr int64_t BB = Type == Q8_0 ? 34 : Type == Q4_1 ? 20 : 18;
+  const int64_t nb = K / QK;
+  const int16_t* a = x.a.data();
+  const float* dx = x.dx.data();
+  const float* xsum = x.xsum.data();
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * nb * BB;
+    V8 acc[2][M];
+    float offset[2][M];
+    for (int p = 0; p < 2; ++p)
+      for (int m = 0; m < M; ++m) acc[p][m] = splat(0.f), offset[p][m] = 0.f;
+    auto add_block = [&](int64_t b, int p) {
+      const uint8_t* blk = row + b * BB;
+      const Weights16 q = block_weights<Type>(blk);
+      const float d = half_at(blk);
+      const float mn = Type == Q4_1 ? half_at(blk + 2) : -8.f * d;
+      for (int m = 0; m < M; ++m) {
+        const int64_t xb = m * nb + b;
+        acc[p][m] = fma(splat(d * dx[xb]), block_dot(q, a + xb * QK), acc[p][m]);
+        if constexpr (Type != Q8_0) offset[p][m] += mn * xsum[xb];
+      }
+    };
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) add_block(b, 0), add_block(b + 1, 1);
+    if (b < nb) add_block(b, 0);
+    for (int m = 0; m < M; ++m)
+      out[m * ldo + n] = hsum(add(acc[0][m], acc[1][m])) + (offset[0][m] + offset[1][m]) + (bias ? bias[n] : 0.f);
+  }
+}
+
+template <int M, int64_t Type>
+void qgemv_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const float* bias) {
+  const int64_t K = x.size(1), N = w.size(0);
+  const XBlocks xq(x.data_ptr<float>(), M, K);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t b, int64_t e) { qgemv_rows<M, Type>(xq, K, wp, op, N, bias, b, e); });
+}
+
+template <int M>
+void qgemv_rows_of(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64_t type, const float* bias) {
+  switch (type) {
+    case Q4_0: return qgemv_impl<M, Q4_0>(out, x, w, bias);
+    case Q4_1: return qgemv_impl<M, Q4_1>(out, x, w, bias);
+    case Q8_0: return qgemv_impl<M, Q8_0>(out, x, w, bias);
+    default: block_bytes(type);
+  }
+}
+
+void check_weight(const at::Tensor& w, int64_t K, int64_t type, const char* name) {
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(), name,
+              ": the weight must be contiguous uint8 [N, row bytes]");
+  TORCH_CHECK(K % QK == 0 && w.size(1) == K / QK * block_bytes(type), name, ": K = ", K,
+              " does not match the weight's ", w.size(1), " bytes per row");
+}
+
+void qgemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64_t type,
+           const c10::optional<at::Tensor>& b) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "qgemv: float32 activations only");
+  TORCH_CHECK(x.is_contiguous() && out.is_contiguous(), "qgemv: tensors must be contiguous");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= 4, "qgemv: x must be [1..4, K]");
+  check_weight(w, x.size(1), type, "qgemv");
+  TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == w.size(0), "qgemv: out must be [M, N]");
+  const float* bias = b.has_value() ? b->data_ptr<float>() : nullptr;
+  switch (x.size(0)) {
+    case 1: return qgemv_rows_of<1>(out, x, w, type, bias);
+    case 2: return qgemv_rows_of<2>(out, x, w, type, bias);
+    case 3: return qgemv_rows_of<3>(out, x, w, type, bias);
+    default: return qgemv_rows_of<4>(out, x, w, type, bias);
+  }
+}
+
+template <int64_t Type, typename T>
+void dequantize_rows(const uint8_t* w, T* out, int64_t K, int64_t n0, int64_t n1) {
+  constexpr int64_t BB = Type == Q8_0 ? 34 : Type == Q4_1 ? 20 : 18;
+  const int64_t nb = K / QK;
+  for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t b = 0; b < nb; ++b) {
+      Block<Type> blk;
+      decode<Type>(w + (n * nb + b) * BB, blk);
+      const V8 d = splat(blk.d), m = splat(blk.m);
+      // the reference's two roundings: d q, then + m
+      for (int i = 0; i < 4; ++i) store_as(out + n * K + b * QK + 8 * i, add(mul(d, blk.q[i]), m));
+    }
+  }
+}
+
+template <typename T>
+struct Dequantize {
+  static void run(at::Tensor& out, const at::Tensor& w, int64_t type) {
+    const int64_t K = out.size(1);
+    const uint8_t* wp = w.data_ptr<uint8_t>();
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, w.size(0), 16, [&](int64_t b, int64_t e) {
+      switch (type) {
+        case Q4_0: return dequantize_rows<Q4_0>(wp, op, K, b, e);
+        case Q4_1: return dequantize_rows<Q4_1>(wp, op, K, b, e);
+        case Q8_0: return dequantize_rows<Q8_0>(wp, op, K, b, e);
+      }
+    });
+  }
+};
+
+void dequantize(at::Tensor& out, const at::Tensor& w, int64_t type) {
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) == w.size(0), "dequantize: out must be [N, K]");
+  check_weight(w, out.size(1), type, "dequantize");
+  dispatch<Dequantize>(out.scalar_type(), "dequantize", out, w, type);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(atom, m) {
+  m.def("qgemv(Tensor(a!) out, Tensor x, Tensor weight, int qtype, Tensor? bias) -> ()");
+  m.def("dequantize(Tensor(a!) out, Tensor weight, int qtype) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(atom, CPU, m) {
+  m.impl("qgemv", &qgemv);
+  m.impl("dequantize", &dequantize);
+}

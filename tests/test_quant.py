@@ -1,0 +1,172 @@
+"""GGUF weights kept quantized: the blocks against gguf's own dequantizer, the
+CPU kernels against the dequantized reference, and models loaded quantized
+against the dequantized path."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from test_models import SIZES, byte_level_tokenizer_metadata, write_gguf
+
+from atom_anyio import LLM, SamplingParams
+from atom_anyio.engine import kernels
+from atom_anyio.models import quant
+from atom_anyio.models.loader import load_model
+from atom_anyio.models.ops import CpuOps, TorchOps
+from atom_anyio.models.quant import BLOCK_BYTES, QuantizedWeight, QuantLinear
+
+Q = gguf.GGMLQuantizationType
+QTYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1]
+
+
+@pytest.fixture(scope="module")
+def cpu_kernels():
+    if reason := kernels.load_cpu_kernels():
+        pytest.skip(f"no CPU kernels here: {reason}")
+
+
+def random_quantized(n: int, k: int, qtype: Q, seed: int = 0) -> tuple[QuantizedWeight, torch.Tensor]:
+    """Random weights quantized by gguf, and gguf's own dequantization of them."""
+    w = np.random.default_rng(seed).standard_normal((n, k), dtype=np.float32)
+    blocks = gguf.quants.quantize(w, qtype)
+    reference = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).copy())
+    return QuantizedWeight(torch.from_numpy(blocks.copy()), qtype, torch.Size((n, k))), reference
+
+
+def gemv_tolerance(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """The GEMV rounds each block of 32 activations to int16 steps of max|x| / 32767, so an output is off by at
+    most sum over blocks of step / 2 * sum |d q| (q the block's integer weights), plus float32 rounding."""
+    n, k = w.shape
+    d = w.data.view(n, k // 32, BLOCK_BYTES[w.qtype])[..., :2].contiguous().view(torch.float16).float()[..., 0]
+    q_max = 128 if w.qtype == Q.Q8_0 else 15
+    step = x.abs().view(x.shape[0], k // 32, 32).amax(-1) / 32767  # [M, blocks]
+    return (step / 2) @ (32 * q_max * d.abs()).t() + 1e-5 * x.abs() @ w.dequantize().abs().t()
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+def test_dequantize_equals_gguf_dequantize_bit_for_bit(qtype, cpu_kernels):
+    w, reference = random_quantized(48, 96, qtype)
+    assert torch.equal(w.dequantize(), reference)  # the portable path: the zero point / min convention is gguf's
+    assert torch.equal(CpuOps.dequantize(w), reference)
+    assert torch.equal(CpuOps.dequantize(w.to(dtype=torch.bfloat16)), reference.bfloat16())
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+def test_gemv_of_a_few_rows_is_within_the_int16_activation_bound(qtype, rows, cpu_kernels):
+    w, reference = random_quantized(100, 192, qtype, seed=rows)
+    x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows)) * 3
+    bias = torch.randn(100)
+    out = CpuOps.linear(x, QuantLinearLike(w, bias))
+    expected = F.linear(x, reference, bias)
+    error = (out - expected).abs()
+    assert (error <= gemv_tolerance(x, w)).all(), error.max()
+    assert error.max() < 1e-3 * expected.abs().max()  # and far below the quantization error of the weights
+
+
+@pytest.mark.parametrize("rows", [5, 64, 300])
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+def test_larger_batches_run_dequantized_slices_through_a_gemm(qtype, rows, cpu_kernels):
+    n = quant.slice_rows(64) * 2 + 7  # slices that do not divide the rows
+    w, reference = random_quantized(n, 64, qtype)
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
+    out = CpuOps.linear(x, QuantLinearLike(w, None))
+    torch.testing.assert_close(out, F.linear(x, reference), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(CpuOps.lm_head(x, QuantLinearLike(w, None)), out, rtol=0, atol=0)
+
+
+def test_torch_ops_dequantize_on_the_fly_to_the_same_bits():
+    w, reference = random_quantized(40, 64, Q.Q4_1)
+    x = torch.randn(3, 64)
+    assert torch.equal(TorchOps.linear(x, QuantLinearLike(w, None)), F.linear(x, reference))
+
+
+def test_packing_concatenates_blocks_and_dequantizes_mixed_types():
+    q, q_ref = random_quantized(8, 64, Q.Q4_1, seed=1)
+    k, k_ref = random_quantized(4, 64, Q.Q4_1, seed=2)
+    v, v_ref = random_quantized(4, 64, Q.Q8_0, seed=3)
+    packed = torch.cat([q, k])
+    assert isinstance(packed, QuantizedWeight) and packed.shape == (12, 64)
+    assert torch.equal(packed.dequantize(), torch.cat([q_ref, k_ref]))
+    mixed = torch.cat([q, k, v])
+    assert isinstance(mixed, torch.Tensor) and torch.equal(mixed, torch.cat([q_ref, k_ref, v_ref]))
+
+
+class QuantLinearLike(QuantLinear):
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None):
+        super().__init__(weight, has_bias=False)
+        self.bias = bias
+
+
+# models
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_gguf(tmp_path_factory):
+    """A seeded tiny Llama with the byte-level ChatML tokenizer, one GGUF per type."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{**SIZES, "vocab_size": 262, "num_key_value_heads": 2})
+    config.initializer_range = 0.2
+    hf = transformers.LlamaForCausalLM(config).eval()
+    root = tmp_path_factory.mktemp("quant")
+    paths = {}
+    for qtype in [*QTYPES, Q.Q5_0]:
+        paths[qtype] = root / f"tiny.{qtype.name}.gguf"
+        write_gguf(paths[qtype], "llama", hf, qtype.name, metadata=[byte_level_tokenizer_metadata])
+    return paths
+
+
+PROMPTS = [[258, 72, 101, 108], [259, 97, 98, 99, 100, 101, 102, 103, 104, 105, 106], [260, 7]]
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+def greedy(llm: LLM) -> list[list[int]]:
+    return [out.outputs[0].token_ids for out in llm.generate(PROMPTS, GREEDY)]
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+def test_auto_dtype_keeps_gguf_quantized_and_float32_dequantizes(tiny_chat_gguf, qtype):
+    quantized = load_model(tiny_chat_gguf[qtype], dtype="auto")
+    layer = quantized.model.model.layers[0]
+    assert isinstance(layer.mlp.gate_up_proj, QuantLinear) and layer.mlp.gate_up_proj.weight.qtype == qtype
+    assert isinstance(layer.self_attn.qkv_proj, QuantLinear)  # packed q/k/v stay quantized
+    dequantized = load_model(tiny_chat_gguf[qtype], dtype="float32")
+    assert type(dequantized.model.model.layers[0].mlp.gate_up_proj) is torch.nn.Linear
+    assert quant.weight_bytes(quantized.model) < quant.weight_bytes(dequantized.model) / 2
+
+
+def tiny_llm(path, dtype: str, attention_backend: str) -> LLM:
+    return LLM(str(path), dtype=dtype, attention_backend=attention_backend, num_kv_blocks=32)
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+def test_quantized_greedy_equals_the_dequantized_path(tiny_chat_gguf, qtype):
+    reference = greedy(tiny_llm(tiny_chat_gguf[qtype], "float32", "torch"))
+    assert greedy(tiny_llm(tiny_chat_gguf[qtype], "auto", "torch")) == reference  # dequantized on the fly: same bits
+    if kernels.load_cpu_kernels() is None:
+        assert greedy(tiny_llm(tiny_chat_gguf[qtype], "auto", "cpu")) == reference
+
+
+def test_types_without_a_kernel_load_dequantized(tiny_chat_gguf):
+    loaded = load_model(tiny_chat_gguf[Q.Q5_0], dtype="auto")
+    assert not any(isinstance(m, QuantLinear) for m in loaded.model.modules())
+
+
+def test_smollm2_q4_1_served_quantized_answers_and_fits_its_file(smollm2_path):
+    llm = LLM(smollm2_path)  # dtype "auto": kept quantized
+    model = llm.loaded.model
+    assert isinstance(model.model.layers[0].mlp.down_proj, QuantLinear)
+    assert isinstance(model.model.embed_tokens, quant.QuantEmbedding)
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # the tied head reads the Q8_0 embedding
+    file_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(smollm2_path).tensors)
+    assert quant.weight_bytes(model) <= 1.3 * file_bytes
+    assert model.dtype_name == "float32+Q4_1+Q8_0"  # what /version reports
+    (out,) = llm.chat([{"role": "user", "content": "What is the capital of France?"}], GREEDY_STOP)
+    assert "Paris" in out.outputs[0].text
+
+
+GREEDY_STOP = SamplingParams(temperature=0, max_tokens=16)
