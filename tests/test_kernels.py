@@ -117,6 +117,46 @@ def test_long_prefill_chunk_over_a_long_prefix_equals_the_portable_path():
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-6)
 
 
+def both_with(step, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    q, k, v, k_cache, v_cache, meta = step
+    ref = TorchPagedAttention().forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, **kwargs)
+    return CpuPagedAttention().forward(q, k, v, k_cache, v_cache, meta, **kwargs), ref
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("window", [1, 5, 16, 17, 64, 1000])  # within a chunk, across blocks, past every context
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(8, 2, 64, 16), (9, 3, 32, 4), (4, 4, 64, 32)])
+def test_cpu_sliding_window_equals_the_portable_path(layout, window, heads, kv_heads, head_dim, block_size):
+    query_lens, context_lens = LAYOUTS[layout]
+    step = paged_step(query_lens, context_lens, heads, kv_heads, head_dim, block_size, seed=window)
+    out, ref = both_with(step, sliding_window=window)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("window", [None, 7, 300])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_cpu_attention_sinks_equal_the_portable_path(layout, window):
+    query_lens, context_lens = LAYOUTS[layout]
+    step = paged_step(query_lens, context_lens, 8, 2, 64, 16, seed=5)
+    sinks = torch.randn(8, generator=torch.Generator().manual_seed(6)) * 3
+    out, ref = both_with(step, sliding_window=window, sinks=sinks)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("window", [100, 600, 5000])
+def test_long_windowed_decodes_split_over_the_keys_equal_the_portable_path(window):
+    step = paged_step([1, 1, 1, 40], [8000, 7995, 7, 6000], 4, 2, 64, 16, seed=7)
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(8))
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            out, ref = both_with(step, sliding_window=window, sinks=sinks)
+            torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-6)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cpu_attention_in_16_bit_matches_a_float32_reference(dtype):
     q, k, v, k_cache, v_cache, meta = paged_step([1, 1, 12], [50, 70, 30], 8, 2, 64, 16, dtype=dtype)

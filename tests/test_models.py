@@ -5,6 +5,7 @@ default SmolLM2 GGUF."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import time
@@ -20,7 +21,7 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from atom_anyio.engine.attention import AttentionMetadata
 from atom_anyio.models.llama import pack_weights
-from atom_anyio.models.loader import build_model, load_gguf_weights, load_model
+from atom_anyio.models.loader import GGUF_ARCHITECTURES, build_model, load_gguf_weights, load_model
 
 VOCAB = 256
 SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
@@ -303,6 +304,45 @@ def test_gguf_weights_dequantize_and_match_transformers(tmp_path, gguf_families,
     assert_logits_close(logits, hf_logits(reference, prompt))
 
 
+def llama_cpp_rope_factors(cfg: transformers.PretrainedConfig) -> np.ndarray:
+    """``rope_freqs`` as llama.cpp's convert_hf_to_gguf.py writes it for Llama 3 rope scaling."""
+    rope = cfg.rope_parameters
+    dim = cfg.hidden_size // cfg.num_attention_heads
+    freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_ctx = rope["original_max_position_embeddings"]
+    factors = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_ctx / high:
+            factors.append(1.0)
+        elif wavelen > old_ctx / low:
+            factors.append(factor)
+        else:
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def test_gguf_rope_freqs_apply_llama3_rope_scaling_like_transformers(tmp_path):
+    rope = dict(FAMILIES["llama3-rope"][1]["rope_parameters"], original_max_position_embeddings=32)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(**SIZES, rope_parameters=rope, initializer_range=0.2)
+    ).eval()
+    path = tmp_path / "tiny-llama31.gguf"
+    factors = llama_cpp_rope_factors(hf.config)
+    assert {1.0, 8.0} < set(factors.tolist())  # all three llama3 bands: kept, smoothed, scaled
+    write_gguf(path, "llama", hf, "F32", metadata=[lambda w: w.add_tensor("rope_freqs.weight", factors)])
+    cfg, state = load_gguf_weights(str(path))
+    assert cfg.rope_freq_factors is not None and "rope_freqs.weight" not in state
+    prompt = random_tokens(40, seed=7)  # past the original 16 positions
+    (logits,) = PagedRun(build_model(cfg, state, torch.float32, torch.device("cpu")), num_blocks=16).step(
+        [("a", prompt, 0)]
+    )
+    assert_logits_close(logits, hf_logits(hf, prompt))
+
+
 def byte_level_tokenizer_metadata(writer: gguf.GGUFWriter) -> None:
     """A 262-token GPT-2 style vocabulary: the 256 byte symbols, two merges' worth
     of words, and the ChatML control tokens."""
@@ -349,6 +389,16 @@ def test_gguf_with_tokenizer_loads_and_caches_its_tokenizer(tmp_path, monkeypatc
     load_model(str(path))
     assert conversions == ["tiny-chat.gguf"] * 2
     assert len(list((tmp_path / "cache" / "tokenizers").iterdir())) == 2  # no temp dirs left behind
+
+
+def test_gguf_of_an_unknown_architecture_is_refused_with_the_supported_list(tmp_path, gguf_families):
+    path = tmp_path / "falcon.gguf"
+    write_gguf(path, "falcon", gguf_families["llama"], "F32")
+    with pytest.raises(ValueError) as refused:
+        load_gguf_weights(str(path))
+    message = str(refused.value)
+    assert "\n" not in message and "'falcon'" in message
+    assert all(arch in message for arch in GGUF_ARCHITECTURES)
 
 
 def test_gguf_without_tokenizer_is_refused_by_load_model(tmp_path, gguf_families):

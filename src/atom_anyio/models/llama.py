@@ -1,12 +1,14 @@
 """One Llama-family decoder: Llama, Mistral, Qwen2 (qkv bias), Qwen3 (q/k
-RMSNorm), SmolLM2 (tied embeddings). Parameter names match Hugging Face so
+RMSNorm), SmolLM2 (tied embeddings), and with per-layer sliding windows,
+attention sinks and mixture-of-experts layers (``moe.py``) Qwen3-MoE,
+Mixtral and GPT-OSS. Parameter names match Hugging Face so
 weights load by name, except the packed projections: q/k/v are one
 ``qkv_proj`` and gate/up one ``gate_up_proj`` (one GEMM each instead of three
 and two); ``pack_weights`` builds them from the Hugging Face names."""
 
 from __future__ import annotations
 
-import math
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,7 +17,22 @@ import torch
 from torch import nn
 
 from atom_anyio.engine.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
+from atom_anyio.models.moe import MoeConfig, SparseMoeBlock
 from atom_anyio.models.ops import Ops
+from atom_anyio.models.quant import QuantizedWeight
+from atom_anyio.models.rope import rope_inv_freq
+
+# the Hugging Face architectures this decoder serves
+ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
+    "GptOssForCausalLM",
+)
+SLIDING, FULL = "sliding_attention", "full_attention"  # Hugging Face's layer_types names
 
 
 @dataclass(frozen=True)
@@ -30,25 +47,50 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
+    rope_freq_factors: tuple[float, ...] | None = None  # GGUF rope_freqs: each frequency divided by its factor
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2
     qk_norm: bool = False  # Qwen3
+    sliding_window: int | None = None  # keys i - W < j <= i, on the SLIDING layers
+    layer_types: tuple[str, ...] = ()  # SLIDING or FULL per layer; empty: every layer FULL
+    moe: MoeConfig | None = None  # mixture of experts; None: a dense MLP in every layer
+    attention_sinks: bool = False  # GPT-OSS: a learned logit per head in each layer's softmax
+    o_proj_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     architecture: str = "LlamaForCausalLM"
+
+    def __post_init__(self):
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {self.architecture!r} (supported: {', '.join(ARCHITECTURES)})")
+        assert not self.layer_types or len(self.layer_types) == self.num_hidden_layers
+
+    def window(self, layer: int) -> int | None:
+        """The attention window of ``layer``: None attends to the whole context."""
+        is_sliding = self.layer_types[layer] == SLIDING if self.layer_types else False
+        return self.sliding_window if is_sliding else None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        moe = self.moe
+        return moe is not None and layer not in moe.mlp_only_layers and (layer + 1) % moe.decoder_sparse_step == 0
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         """From a Hugging Face ``config.json`` dict (transformers 4 or 5 keys)."""
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
         model_type = cfg.get("model_type", "llama")
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-        theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if quantization := cfg.get("quantization_config"):
+            method = quantization.get("quant_method", "unknown")
+            raise ValueError(
+                f"quantized Hugging Face checkpoints ({method}) are not supported: serve a float one or a GGUF"
+            )
+        if (act := cfg.get("hidden_act", "silu")) != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported (supported: silu)")
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         heads = cfg["num_attention_heads"]
+        theta, rope_scaling = hf_rope(cfg)
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -58,40 +100,83 @@ class ModelConfig:
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
-            rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
+            rope_theta=theta,
+            rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=cfg.get("attention_bias", model_type == "qwen2"),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            **hf_sliding_window(cfg, model_type),
+            moe=hf_moe(cfg, model_type),
+            attention_sinks=model_type == "gpt_oss",
+            o_proj_bias=cfg.get("attention_bias", False) and model_type in ("llama", "qwen3", "qwen3_moe", "gpt_oss"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             architecture=arch,
         )
 
 
-def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and attention scaling for the config's RoPE type."""
-    dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = cfg.rope_scaling or {}
-    kind = scaling.get("rope_type", "default")
-    if kind == "default":
-        return inv_freq, 1.0
-    if kind == "linear":
-        return inv_freq / scaling["factor"], 1.0
-    if kind == "llama3":
-        factor = scaling["factor"]
-        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-        old_ctx = scaling["original_max_position_embeddings"]
-        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_ctx / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-        return torch.where(is_medium, smoothed, scaled), 1.0
-    raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
+def hf_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """``rope_theta`` and the scaling parameters (None for plain RoPE), as
+    transformers standardises them (``original_max_position_embeddings``
+    defaults to ``max_position_embeddings``)."""
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = float(rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0))
+    rope_type = rope.pop("type", None) or rope.get("rope_type", "default")
+    partial = rope.pop("partial_rotary_factor", None) or cfg.get("partial_rotary_factor", 1.0)
+    if partial != 1.0:
+        raise ValueError(f"partial_rotary_factor {partial} is not supported (RoPE over the whole head only)")
+    if rope_type == "default":
+        return theta, None
+    if rope_type in ("llama3", "yarn"):
+        original = cfg.get("original_max_position_embeddings") or cfg.get("max_position_embeddings", 2048)
+        rope["original_max_position_embeddings"] = rope.get("original_max_position_embeddings") or original
+    return theta, {**rope, "rope_type": rope_type}
+
+
+def hf_moe(cfg: dict[str, Any], model_type: str) -> MoeConfig | None:
+    """The experts' settings: Mixtral renormalises its top k and routes every
+    layer; Qwen3-MoE reads ``norm_topk_prob``, ``decoder_sparse_step`` and
+    ``mlp_only_layers``; GPT-OSS has its own router and activation."""
+    num_experts = cfg.get("num_local_experts") or cfg.get("num_experts")  # transformers 5 saves the former
+    if model_type not in ("mixtral", "qwen3_moe", "gpt_oss"):
+        return None
+    size = cfg["moe_intermediate_size"] if model_type == "qwen3_moe" else cfg["intermediate_size"]
+    moe = MoeConfig(num_experts=num_experts, top_k=cfg["num_experts_per_tok"], intermediate_size=size)
+    if model_type == "qwen3_moe":
+        return dataclasses.replace(
+            moe,
+            norm_topk_prob=cfg.get("norm_topk_prob", False),
+            decoder_sparse_step=cfg.get("decoder_sparse_step", 1),
+            mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
+        )
+    if model_type == "gpt_oss":
+        return dataclasses.replace(
+            moe, is_gpt_oss=True, swiglu_alpha=cfg.get("swiglu_alpha", 1.702), swiglu_limit=cfg.get("swiglu_limit", 7.0)
+        )
+    return moe
+
+
+def hf_sliding_window(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """``sliding_window`` and ``layer_types`` with transformers' rules: Mistral
+    and Mixtral window every layer; the Qwen families only with
+    ``use_sliding_window``, Qwen2/Qwen3 on their ``layer_types`` (by default the
+    layers from ``max_window_layers`` on), Qwen3-MoE on every layer; GPT-OSS
+    on its ``layer_types`` (by default every other layer, the first windowed)."""
+    window = cfg.get("sliding_window")
+    if model_type.startswith("qwen") and not cfg.get("use_sliding_window", False):
+        window = None
+    if window is None:
+        return {"sliding_window": None, "layer_types": ()}
+    n = cfg["num_hidden_layers"]
+    if model_type in ("qwen2", "qwen3"):
+        first = cfg.get("max_window_layers", 28)
+        types = cfg.get("layer_types") or [SLIDING if i >= first else FULL for i in range(n)]
+    elif model_type == "gpt_oss":
+        types = cfg.get("layer_types") or [SLIDING if (i + 1) % 2 else FULL for i in range(n)]
+    else:
+        types = [SLIDING] * n
+    return {"sliding_window": int(window), "layer_types": tuple(types)}
 
 
 class RMSNorm(nn.Module):
@@ -111,8 +196,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, layer: int):
         super().__init__()
+        self.sliding_window = cfg.window(layer)
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
@@ -121,7 +207,8 @@ class Attention(nn.Module):
         kv_size = self.num_kv_heads * self.head_dim
         self.split = [self.num_heads * self.head_dim, kv_size, kv_size]
         self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.split), bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if cfg.attention_sinks else None
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, backend.ops)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, backend.ops)
@@ -137,7 +224,7 @@ class Attention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = ops.rotary(q, k, cos, sin)
-        o = self.backend.forward(q, k, v, kv[0], kv[1], meta)
+        o = self.backend.forward(q, k, v, kv[0], kv[1], meta, sliding_window=self.sliding_window, sinks=self.sinks)
         return ops.linear(o.reshape(t, -1), self.o_proj)
 
 
@@ -174,10 +261,13 @@ def pack_weights(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, layer: int):
         super().__init__()
-        self.self_attn = Attention(cfg, backend)
-        self.mlp = MLP(cfg, backend.ops)
+        self.self_attn = Attention(cfg, backend, layer)
+        if cfg.is_moe_layer(layer):
+            self.mlp = SparseMoeBlock(cfg.moe, cfg.hidden_size, backend.ops)
+        else:
+            self.mlp = MLP(cfg, backend.ops)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend.ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend.ops)
 
@@ -198,7 +288,7 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend.ops)
 
 
@@ -234,8 +324,11 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def dtype_name(self) -> str:
-        """``float32``, ``bfloat16``: the dtype the weights were loaded in."""
-        return str(self.lm_head.weight.dtype).removeprefix("torch.")
+        """``float32``, ``bfloat16``: the dtype the weights were loaded in; with GGUF blocks kept
+        quantized, their types too (``float32+Q4_1+Q8_0``: activations, then the weights' types)."""
+        weights = (getattr(m, "weight", None) for m in self.modules())
+        qtypes = sorted({w.qtype.name for w in weights if isinstance(w, QuantizedWeight)})
+        return "+".join([str(self.lm_head.weight.dtype).removeprefix("torch."), *qtypes])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of the sampled rows, float32."""

@@ -28,7 +28,11 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from atom_anyio.engine import kernels
 from atom_anyio.engine.attention import select_backend
-from atom_anyio.models.llama import LlamaForCausalLM, ModelConfig, pack_weights, rope_inv_freq
+from atom_anyio.generation_defaults import BUNDLED_MODEL_DEFAULTS, from_generation_config, from_gguf_metadata
+from atom_anyio.models import quant
+from atom_anyio.models.llama import LlamaForCausalLM, ModelConfig, pack_weights
+from atom_anyio.models.moe import stack_experts
+from atom_anyio.models.rope import rope_inv_freq
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -52,6 +56,11 @@ GGUF_TOKENIZER_ARRAYS = {
     "tokenizer.ggml.token_type",
     "tokenizer.ggml.merges",
 }
+GGUF_ROPE_FREQS = "rope_freqs.weight"  # read into the config, not a weight
+# kept quantized: the embedding, the LM head and the linear layers
+GGUF_QUANTIZED_LAYERS = re.compile(
+    r"(token_embd|output|blk\.\d+\.(attn_[qkv]|attn_output|ffn_gate|ffn_up|ffn_down))\.weight"
+)
 GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 StateDict = dict[str, torch.Tensor]
@@ -64,6 +73,8 @@ class LoadedModel:
     config: ModelConfig
     chat_template: str | None
     name: str  # the served-model name: the directory name or the GGUF file stem
+    # the model's own sampling defaults, SamplingParams names (generation_defaults.py); requests override them
+    generation_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def default_model_path() -> str:
@@ -79,7 +90,15 @@ def default_model_path() -> str:
     return str(path)
 
 
-DTYPES = ("auto", "float32", "bfloat16")
+def is_default_model(path: str) -> bool:
+    """Whether ``path`` is the default model's file."""
+    try:
+        return os.path.samefile(path, default_model_path())
+    except FileNotFoundError:
+        return False
+
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # float16: GPUs only
 
 
 def resolve_dtype(dtype: torch.dtype | str, device: torch.device) -> torch.dtype:
@@ -90,9 +109,11 @@ def resolve_dtype(dtype: torch.dtype | str, device: torch.device) -> torch.dtype
     if dtype == "auto":
         return torch.bfloat16 if device.type != "cpu" or kernels.has_native_bf16() else torch.float32
     if isinstance(dtype, str):
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype, dtype)
-    if dtype not in (torch.float32, torch.bfloat16):
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype, dtype)
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"unsupported dtype {dtype!r} (supported: {', '.join(DTYPES)})")
+    if dtype == torch.float16 and device.type == "cpu":
+        raise ValueError("dtype float16 runs on GPUs; on the CPU use float32 or bfloat16")
     return dtype
 
 
@@ -106,21 +127,24 @@ def load_model(
     the default model. ``attention_backend``: see ``select_backend``."""
     path = os.fspath(path) if path else default_model_path()
     device = torch.device(device)
+    keep_quantized = dtype == "auto" and device.type == "cpu"  # a named dtype dequantizes, as before
     dtype = resolve_dtype(dtype, device)
     if path.endswith(".gguf"):
-        cfg, state, metadata = read_gguf(path)
+        cfg, state, metadata = read_gguf(path, keep_quantized)
         if "tokenizer.ggml.model" not in metadata:
             raise ValueError(f"{path} has no tokenizer metadata; serve it from a directory with tokenizer files")
         tokenizer = load_gguf_tokenizer(path)
         chat_template, name = metadata.get("tokenizer.chat_template"), Path(path).stem
+        generation = from_gguf_metadata(metadata) or (dict(BUNDLED_MODEL_DEFAULTS) if is_default_model(path) else {})
     elif os.path.isdir(path):
         cfg, state = load_hf_weights(path)
         tokenizer = AutoTokenizer.from_pretrained(path)
         chat_template, name = tokenizer.chat_template, Path(path).resolve().name
+        generation = from_generation_config(path)
     else:
         raise FileNotFoundError(f"model path {path!r} is neither a Hugging Face model directory nor a .gguf file")
     model = build_model(cfg, state, dtype, device, attention_backend)
-    return LoadedModel(model=model, tokenizer=tokenizer, config=cfg, chat_template=chat_template, name=name)
+    return LoadedModel(model, tokenizer, cfg, chat_template, name, generation_defaults=generation)
 
 
 def build_model(
@@ -133,10 +157,13 @@ def build_model(
     """Assign ``state`` (Hugging Face names) into a model built without
     initializing weights; every weight must be given."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, select_backend(device, attention_backend))
-    state, missing_parts = pack_weights({k: v.to(device=device, dtype=dtype) for k, v in state.items()})
+        model = LlamaForCausalLM(cfg, select_backend(device, attention_backend, cfg.head_dim))
+    state, missing_parts = pack_weights(
+        stack_experts({k: v.to(device=device, dtype=dtype) for k, v in state.items()}, cfg.moe)
+    )
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    state = quant.install(model, state)  # the layers whose weights stay quantized
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     missing = missing_parts + missing
     if cfg.tie_word_embeddings:
@@ -188,13 +215,15 @@ def load_gguf_weights(path: str) -> tuple[ModelConfig, StateDict]:
     return cfg, state
 
 
-def read_gguf(path: str) -> tuple[ModelConfig, StateDict, dict[str, Any]]:
+def read_gguf(path: str, keep_quantized: bool = False) -> tuple[ModelConfig, StateDict, dict[str, Any]]:
+    """Config, weights and metadata; ``keep_quantized``: the linear layers' and the
+    embedding's tensors of the types in ``quant.BLOCK_BYTES`` as ``QuantizedWeight``s."""
     reader = gguf.GGUFReader(path)
     metadata = {k: field.contents() for k, field in reader.fields.items() if k not in GGUF_TOKENIZER_ARRAYS}
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     tensors = {t.name: t for t in reader.tensors}
     cfg = gguf_config(metadata, tensors, num_tokens=len(tokens.data) if tokens else None)
-    state = {hf_name(name): dequantize(t) for name, t in tensors.items()}
+    state = {hf_name(name): gguf_tensor(t, keep_quantized) for name, t in tensors.items() if name != GGUF_ROPE_FREQS}
     if metadata["general.architecture"] == "llama":
         state = unpermute_llama_qk(state, cfg)
     return cfg, state, metadata
@@ -204,8 +233,6 @@ def gguf_config(metadata: dict[str, Any], tensors: dict[str, Any], *, num_tokens
     arch = metadata["general.architecture"]
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(GGUF_ARCHITECTURES)})")
-    if "rope_freqs.weight" in tensors:
-        raise ValueError("GGUF rope_freqs (Llama 3.1-style rope scaling) is not supported")
     get = lambda key, default=None: metadata.get(f"{arch}.{key}", default)  # noqa: E731
     heads, hidden = get("attention.head_count"), get("embedding_length")
     eos = [
@@ -224,6 +251,7 @@ def gguf_config(metadata: dict[str, Any], tensors: dict[str, Any], *, num_tokens
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(get("rope.freq_base", 10000.0)),
         rope_scaling=gguf_rope_scaling(get("rope.scaling.type"), get("rope.scaling.factor")),
+        rope_freq_factors=gguf_rope_freq_factors(tensors.get(GGUF_ROPE_FREQS)),
         max_position_embeddings=get("context_length", 2048),
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
@@ -242,6 +270,12 @@ def gguf_rope_scaling(kind: str | None, factor: float | None) -> dict[str, Any] 
     raise ValueError(f"unsupported GGUF rope scaling {kind!r} (supported: none, linear)")
 
 
+def gguf_rope_freq_factors(tensor: gguf.ReaderTensor | None) -> tuple[float, ...] | None:
+    """``rope_freqs``: llama.cpp's converter writes Llama 3.1's rope scaling as one
+    factor per frequency (``theta_i / factor_i``)."""
+    return None if tensor is None else tuple(float(f) for f in dequantize(tensor).reshape(-1))
+
+
 def hf_name(gguf_name: str) -> str:
     """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``."""
     if m := re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name):
@@ -251,6 +285,14 @@ def hf_name(gguf_name: str) -> str:
     elif (m := re.fullmatch(r"(\w+)\.(weight|bias)", gguf_name)) and m[1] in GGUF_GLOBAL_NAMES:
         return f"{GGUF_GLOBAL_NAMES[m[1]]}.{m[2]}"
     raise ValueError(f"unknown GGUF tensor {gguf_name!r}")
+
+
+def gguf_tensor(tensor: gguf.ReaderTensor, keep_quantized: bool) -> torch.Tensor | quant.QuantizedWeight:
+    is_layer = GGUF_QUANTIZED_LAYERS.fullmatch(tensor.name) and len(tensor.shape) == 2
+    if not (keep_quantized and is_layer and tensor.tensor_type in quant.BLOCK_BYTES):
+        return dequantize(tensor)
+    shape = torch.Size(int(d) for d in reversed(tensor.shape))
+    return quant.QuantizedWeight(torch.from_numpy(np.array(tensor.data)), tensor.tensor_type, shape)
 
 
 def dequantize(tensor: gguf.ReaderTensor) -> torch.Tensor:

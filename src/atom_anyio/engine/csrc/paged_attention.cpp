@@ -115,13 +115,17 @@ inline void values(const float* p, const float* v, int64_t ldv, int n, int D, fl
 // one chunk of keys [key0, key0 + n) for NR rows: scores, online softmax, values
 template <int NR>
 inline void rows_chunk(const float* q, int D, const float* kt, const float* v, int64_t ldv, int n, const int* qpos,
-                       int key0, float* m, float* l, float* o) {
+                       int key0, int window, float* m, float* l, float* o) {
   V8 s[NR][2];
   float p[NR * KW];
   scores<NR>(q, D, kt, s);
   for (int r = 0; r < NR; ++r) {
     const int visible = std::min(n, qpos[r] - key0 + 1);  // causal: keys up to the row's own position
-    const V8 s0 = mask_from(s[r][0], visible), s1 = mask_from(s[r][1], visible - 8);
+    V8 s0 = mask_from(s[r][0], visible), s1 = mask_from(s[r][1], visible - 8);
+    if (window > 0) {  // sliding window: keys after the row's position - window
+      const int first = qpos[r] - window + 1 - key0;
+      s0 = mask_below(s0, first), s1 = mask_below(s1, first - 8);
+    }
     const float mx = std::max(m[r], hmax(max(s0, s1)));
     if (mx == NEG_INF) {  // nothing visible yet for this row
       store(p + r * KW, splat(0.f)), store(p + r * KW + 8, splat(0.f));
@@ -140,25 +144,27 @@ inline void rows_chunk(const float* q, int D, const float* kt, const float* v, i
 
 template <int NR = RB>
 inline void rows_dispatch(int rows, const float* q, int D, const float* kt, const float* v, int64_t ldv, int n,
-                          const int* qpos, int key0, float* m, float* l, float* o) {
+                          const int* qpos, int key0, int window, float* m, float* l, float* o) {
   if constexpr (NR > 0) {
     if (rows >= NR) {
-      rows_chunk<NR>(q, D, kt, v, ldv, n, qpos, key0, m, l, o);
-      rows_dispatch<NR>(rows - NR, q + NR * D, D, kt, v, ldv, n, qpos + NR, key0, m + NR, l + NR, o + NR * D);
+      rows_chunk<NR>(q, D, kt, v, ldv, n, qpos, key0, window, m, l, o);
+      rows_dispatch<NR>(rows - NR, q + NR * D, D, kt, v, ldv, n, qpos + NR, key0, window, m + NR, l + NR,
+                        o + NR * D);
     } else {
-      rows_dispatch<NR - 1>(rows, q, D, kt, v, ldv, n, qpos, key0, m, l, o);
+      rows_dispatch<NR - 1>(rows, q, D, kt, v, ldv, n, qpos, key0, window, m, l, o);
     }
   }
 }
 
 struct Unit {
   int seq, q_begin, q_end;  // query tokens [q_begin, q_end) of the sequence, every head
+  int key_lo, key_hi;       // the keys any of them sees: [key_lo, key_hi), key_lo at a block start
 };
 
 template <typename T>
 void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start, int64_t block_size,
-         double scale) {
+         double scale, int64_t sliding_window, const float* sinks) {
   const int H = q.size(1), D = q.size(2), KVH = k_cache.size(1), G = H / KVH;
   const int B = seq_lens.size(0), max_blocks = block_tables.size(1), BS = block_size;
   const int* tables = block_tables.data_ptr<int>();
@@ -173,19 +179,24 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
   // A unit is a tile of one sequence's query tokens with all its heads, so a chunk of KV
   // (consecutive slots, every head) is read once, in one piece. About 36 rows per kv head.
   const int tile = std::max(1, 36 / G);
+  const int window = int(sliding_window);  // 0: the whole causal context
   std::vector<Unit> units;
-  int max_ctx = 0;
+  int max_span = 0;
   for (int b = 0; b < B; ++b) {
-    const int nq = qstart[b + 1] - qstart[b];
-    max_ctx = std::max(max_ctx, lens[b]);
-    for (int i = 0; i < nq; i += tile) units.push_back({b, i, std::min(nq, i + tile)});
+    const int nq = qstart[b + 1] - qstart[b], first_pos = lens[b] - nq;
+    for (int i = 0; i < nq; i += tile) {
+      const int q_end = std::min(nq, i + tile), hi = first_pos + q_end;  // causal bound of the tile
+      const int lo = window > 0 ? std::max(0, first_pos + i - window + 1) / BS * BS : 0;  // chunks before: skipped
+      units.push_back({b, i, q_end, lo, hi});
+      max_span = std::max(max_span, hi - lo);
+    }
   }
   const int num_units = units.size();
   // too few units for the threads (a few long decodes): split the keys, merge afterwards
   const int threads = at::get_num_threads();
-  const int max_splits = std::max(1, (max_ctx + 511) / 512);
+  const int max_splits = std::max(1, (max_span + 511) / 512);
   const int splits = std::min(max_splits, std::max(1, (4 * threads + num_units - 1) / num_units));
-  const int part = ((max_ctx + splits - 1) / splits + BS - 1) / BS * BS;
+  const int part = ((max_span + splits - 1) / splits + BS - 1) / BS * BS;
   const int max_rows = tile * H;  // rows: kv head major, then query token, then head of the group
   std::vector<float> partial_o, partial_ml;
   if (splits > 1) {
@@ -196,6 +207,10 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
     const int h = r / (nt * G), i = u.q_begin + (r / G) % nt, g = r % G;
     return op + (int64_t(qstart[u.seq] + i) * H + h * G + g) * D;
   };
+  // the sink's term of the softmax denominator (relative to the row's running max mx), 0 without sinks
+  auto sink_term = [&](int nt, int r, float mx) {
+    return sinks ? std::exp(sinks[r / (nt * G) * G + r % G] - mx) : 0.f;
+  };
 
   at::parallel_for(0, int64_t(num_units) * splits, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qs(max_rows * D), o(max_rows * D), kt(D * KW), vb(KW * D), m(max_rows), l(max_rows);
@@ -203,10 +218,9 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
     for (int64_t item = begin; item < end; ++item) {
       const Unit& u = units[item / splits];
       const int split = item % splits;
-      const int ctx = lens[u.seq], first_pos = ctx - (qstart[u.seq + 1] - qstart[u.seq]);
+      const int first_pos = lens[u.seq] - (qstart[u.seq + 1] - qstart[u.seq]);
       const int nt = u.q_end - u.q_begin, rows = nt * H, group_rows = nt * G;
-      const int key_hi = std::min({ctx, first_pos + u.q_end, (split + 1) * part});  // causal bound of the tile
-      const int key_lo = split * part;
+      const int key_lo = u.key_lo + split * part, key_hi = std::min(u.key_hi, key_lo + part);
       for (int r = 0; r < rows; ++r) {  // scaled, as float
         const int h = r / group_rows, i = u.q_begin + (r / G) % nt, g = r % G;
         const T* src = qp + (int64_t(qstart[u.seq] + i) * H + h * G + g) * D;
@@ -241,7 +255,7 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
             ldv = D;
           }
           const int r0 = h * group_rows;
-          rows_dispatch(group_rows, &qs[r0 * D], D, kt.data(), v, ldv, n, &qpos[r0], key0, &m[r0], &l[r0],
+          rows_dispatch(group_rows, &qs[r0 * D], D, kt.data(), v, ldv, n, &qpos[r0], key0, window, &m[r0], &l[r0],
                         &o[r0 * D]);
         }
       }
@@ -256,7 +270,8 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
       }
       for (int r = 0; r < rows; ++r) {
         T* dst = out_row(u, nt, r);
-        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+        const float sum = l[r] + sink_term(nt, r, m[r]);
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
         for (int d = 0; d < D; ++d) dst[d] = T(o[r * D + d] * inv);
       }
     }
@@ -281,6 +296,7 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
           for (int d = 0; d < D; ++d) acc[d] += w * partial_o[base * D + d];
         }
         T* dst = out_row(u, nt, r);
+        sum += sink_term(nt, r, mx);
         const float inv = sum > 0.f ? 1.f / sum : 0.f;
         for (int d = 0; d < D; ++d) dst[d] = T(acc[d] * inv);
       }
@@ -299,10 +315,12 @@ struct PagedAttention {
 }  // namespace
 
 // out[t, h] = softmax(q[t, h] . K^T * scale) V over the causal context of
-// t's sequence, K and V read from the paged cache through block_tables.
+// t's sequence (its last sliding_window keys when sliding_window > 0), K and
+// V read from the paged cache through block_tables. sinks (float32 [H]):
+// one logit per head that joins the softmax denominator only.
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start,
-                     int64_t block_size, double scale) {
+                     int64_t block_size, double scale, int64_t sliding_window, const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "paged_attention: q, out and the caches must be contiguous");
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "paged_attention: heads must be a multiple of kv heads");
@@ -310,14 +328,22 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                   query_start.scalar_type() == at::kInt,
               "paged_attention: block_tables, seq_lens and query_start must be int32");
+  TORCH_CHECK(sliding_window >= 0, "paged_attention: sliding_window must be >= 0 (0: none)");
+  const float* sink_logits = nullptr;
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->numel() == q.size(1),
+                "paged_attention: sinks must be contiguous float32 [num_heads]");
+    sink_logits = sinks->data_ptr<float>();
+  }
   dispatch<PagedAttention>(q.scalar_type(), "paged_attention", out, q, k_cache, v_cache, block_tables, seq_lens,
-                           query_start, block_size, scale);
+                           query_start, block_size, scale, sliding_window, sink_logits);
 }
 
 TORCH_LIBRARY(atom, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor seq_lens, Tensor query_start, int block_size, float scale) -> ()");
+      "Tensor seq_lens, Tensor query_start, int block_size, float scale, int sliding_window=0, "
+      "Tensor? sinks=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(atom, CPU, m) { m.impl("paged_attention", &paged_attention); }

@@ -50,6 +50,12 @@ inline V8 mask_from(V8 a, int first_masked_lane) {
   __m256 keep = _mm256_cmp_ps(lane, _mm256_set1_ps(float(first_masked_lane)), _CMP_LT_OQ);
   return {_mm256_blendv_ps(_mm256_set1_ps(NEG_INF), a.v, keep)};
 }
+// keys j < first_kept_lane are masked out
+inline V8 mask_below(V8 a, int first_kept_lane) {
+  const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256 keep = _mm256_cmp_ps(lane, _mm256_set1_ps(float(first_kept_lane)), _CMP_GE_OQ);
+  return {_mm256_blendv_ps(_mm256_set1_ps(NEG_INF), a.v, keep)};
+}
 // exp: Cephes' range reduction and degree-5 polynomial (about 1 ulp); 0 below -88
 inline V8 exp(V8 a) {
   __m256 x = a.v;
@@ -122,6 +128,7 @@ inline V8 add(V8 a, V8 b) { for (int i = 0; i < 8; ++i) a.v[i] += b.v[i]; return
 inline float hmax(V8 a) { float m = a.v[0]; for (int i = 1; i < 8; ++i) m = std::max(m, a.v[i]); return m; }
 inline float hsum(V8 a) { float s = 0.f; for (int i = 0; i < 8; ++i) s += a.v[i]; return s; }
 inline V8 mask_from(V8 a, int first) { for (int i = std::max(first, 0); i < 8; ++i) a.v[i] = NEG_INF; return a; }
+inline V8 mask_below(V8 a, int first) { for (int i = 0; i < std::min(first, 8); ++i) a.v[i] = NEG_INF; return a; }
 inline V8 exp(V8 a) { for (int i = 0; i < 8; ++i) a.v[i] = std::exp(a.v[i]); return a; }
 template <typename T>
 inline V8 load_as_float(const T* p) { V8 a; for (int i = 0; i < 8; ++i) a.v[i] = float(p[i]); return a; }
