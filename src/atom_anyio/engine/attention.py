@@ -15,15 +15,20 @@ before attending over it.
   ``scaled_dot_product_attention`` (one call for all decodes, one for all
   prefill chunks). It is the reference the exactness tests pin and the
   fallback when the kernel cannot be built.
+* ``triton`` (``triton_attention.py``): one Triton kernel for decodes and
+  prefill chunks on NVIDIA and AMD GPUs (and on the CPU under
+  ``TRITON_INTERPRET=1``, for tests).
+* ``flashinfer``, ``aiter`` (``vendor_attention.py``): thin adapters over the
+  vendor libraries, used when they are importable.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -36,7 +41,7 @@ from atom_anyio.models.ops import CpuOps, TorchOps
 
 log = structlog.get_logger("atom_anyio.engine")
 
-BACKENDS = ("auto", "cpu", "torch")
+BACKENDS = ("auto", "cpu", "torch", "triton", "flashinfer", "aiter")
 
 
 @dataclass
@@ -50,6 +55,7 @@ class AttentionMetadata:
     num_decode: int  # the first num_decode sequences are decodes, one token each
     max_query_len: int
     block_size: int
+    plans: dict[int | None, GatherPlan] = field(default_factory=dict, repr=False)  # by sliding window
 
     @classmethod
     def build(
@@ -77,7 +83,7 @@ class AttentionMetadata:
         slot_mapping = tables[seq_of_token, pos // block_size].astype(np.int64) * block_size + pos % block_size
 
         def to(x: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-            return torch.from_numpy(x).to(device=device, dtype=dtype, non_blocking=True)
+            return stage(torch.from_numpy(x).to(dtype), device)
 
         return cls(
             slot_mapping=to(slot_mapping, torch.long),
@@ -89,10 +95,19 @@ class AttentionMetadata:
             block_size=block_size,
         )
 
-    @cached_property
-    def gather_plan(self) -> GatherPlan:
-        """The portable path's padded gather indices and masks (built once per step)."""
-        return GatherPlan.build(self)
+    def gather_plan(self, sliding_window: int | None = None) -> GatherPlan:
+        """The portable path's padded gather indices and masks (built once per step and window)."""
+        if sliding_window not in self.plans:
+            self.plans[sliding_window] = GatherPlan.build(self, sliding_window)
+        return self.plans[sliding_window]
+
+
+def stage(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor ``x`` on ``device``: on a GPU through pinned memory and a
+    non-blocking copy (ordered on the current stream), on the CPU ``x`` itself."""
+    if device.type == "cpu":
+        return x
+    return x.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass
@@ -101,14 +116,15 @@ class GatherPlan:
 
     decode_kv_index: torch.Tensor | None  # [Bd, Ld] slots of each decode's context
     decode_mask: torch.Tensor | None  # [Bd, 1, 1, Ld] True where a key is visible
-    prefill_fresh: bool  # one prefill chunk starting at position 0: plain causal
+    prefill_fresh: bool  # one prefill chunk starting at position 0, no window: plain causal
     prefill_pad_index: torch.Tensor | None  # [Tp] row of each prefill token in [Bp*Lq]
     prefill_kv_index: torch.Tensor | None  # [Bp, Lk] slots of each chunk's context
     prefill_mask: torch.Tensor | None  # [Bp, 1, Lq, Lk]
     num_prefill_seqs: int
 
     @classmethod
-    def build(cls, meta: AttentionMetadata) -> GatherPlan:
+    def build(cls, meta: AttentionMetadata, window: int | None = None) -> GatherPlan:
+        """``window``: the query at position i sees the keys j with i - window < j <= i."""
         bs, nd = meta.block_size, meta.num_decode
         tables = meta.block_tables.long()
         ctx = meta.seq_lens.long()
@@ -123,9 +139,12 @@ class GatherPlan:
         decode_kv_index = decode_mask = None
         if nd:
             decode_kv_index, j = kv_index(slice(0, nd))
-            decode_mask = (j[None, :] < ctx[:nd, None])[:, None, None, :]
+            visible = j[None, :] < ctx[:nd, None]
+            if window is not None:
+                visible &= j[None, :] > ctx[:nd, None] - 1 - window
+            decode_mask = visible[:, None, None, :]
         num_prefill = len(qlen) - nd
-        prefill_fresh = num_prefill == 1 and int(start[nd]) == 0
+        prefill_fresh = num_prefill == 1 and int(start[nd]) == 0 and window is None
         pad_index = prefill_kv_index = prefill_mask = None
         if num_prefill and not prefill_fresh:
             rows, max_q = slice(nd, None), meta.max_query_len
@@ -137,7 +156,10 @@ class GatherPlan:
             i = torch.arange(max_q, device=pq.device)
             qpos = start[rows, None] + i[None, :]  # [Bp, Lq]
             qpos = torch.where(i[None, :] < pq[:, None], qpos, 0)  # padded rows see key 0
-            prefill_mask = (j[None, None, :] <= qpos[:, :, None])[:, None]
+            visible = j[None, None, :] <= qpos[:, :, None]
+            if window is not None:
+                visible &= j[None, None, :] > qpos[:, :, None] - window
+            prefill_mask = visible[:, None]
         return cls(decode_kv_index, decode_mask, prefill_fresh, pad_index, prefill_kv_index, prefill_mask, num_prefill)
 
 
@@ -153,6 +175,9 @@ class AttentionBackend(Protocol):
         k_cache: torch.Tensor,  # [num_slots, KVH, D]
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        *,
+        sliding_window: int | None = None,  # the query at i sees keys i - W < j <= i
+        sinks: torch.Tensor | None = None,  # float32 [H] logits that join the softmax denominator only
     ) -> torch.Tensor: ...
 
 
@@ -162,29 +187,42 @@ def gather(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return torch.index_select(cache, 0, index.reshape(-1)).view(*index.shape, *cache.shape[1:])
 
 
+def attend(q, k, v, mask: torch.Tensor | None, sinks: torch.Tensor | None, is_causal: bool = False) -> torch.Tensor:
+    """``scaled_dot_product_attention`` over ``[B, H, L, D]``; ``sinks`` (a logit
+    per head) join the softmax as one more key whose value is zero."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=True)
+    b, h, lq, lk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    if mask is None:  # causal
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+    bias = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
+    sink = sinks.to(q.dtype)[None, :, None, None].expand(b, h, lq, 1)
+    bias = torch.cat([bias.expand(b, h, lq, lk), sink], dim=-1)
+    k, v = (F.pad(x, (0, 0, 0, 1)) for x in (k, v))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True)
+
+
 class TorchPagedAttention:
     """Portable paged attention on any torch device (CPU, CUDA, ROCm)."""
 
     name = "torch"
     ops = TorchOps
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, *, sliding_window=None, sinks=None):
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
-        plan, nd = meta.gather_plan, meta.num_decode
+        plan, nd = meta.gather_plan(sliding_window), meta.num_decode
         out = torch.empty_like(q)
         if nd:
             qd = q[:nd].unsqueeze(2)  # [Bd, H, 1, D]
             kd = gather(k_cache, plan.decode_kv_index).transpose(1, 2)  # [Bd, KVH, Ld, D]
             vd = gather(v_cache, plan.decode_kv_index).transpose(1, 2)
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=plan.decode_mask, enable_gqa=True)
-            out[:nd] = od.squeeze(2)
+            out[:nd] = attend(qd, kd, vd, plan.decode_mask, sinks).squeeze(2)
         if plan.num_prefill_seqs == 0:
             return out
         if plan.prefill_fresh:
             qp, kp, vp = (x[nd:].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-            op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
-            out[nd:] = op.squeeze(0).transpose(0, 1)
+            out[nd:] = attend(qp, kp, vp, None, sinks, is_causal=True).squeeze(0).transpose(0, 1)
             return out
         bp, lq, h, d = plan.num_prefill_seqs, meta.max_query_len, q.shape[1], q.shape[2]
         qpad = q.new_zeros(bp * lq, h, d)
@@ -192,7 +230,7 @@ class TorchPagedAttention:
         qp = qpad.view(bp, lq, h, d).transpose(1, 2)
         kp = gather(k_cache, plan.prefill_kv_index).transpose(1, 2)
         vp = gather(v_cache, plan.prefill_kv_index).transpose(1, 2)
-        op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=plan.prefill_mask, enable_gqa=True)
+        op = attend(qp, kp, vp, plan.prefill_mask, sinks)
         out[nd:] = op.transpose(1, 2).reshape(bp * lq, h, d)[plan.prefill_pad_index]
         return out
 
@@ -204,7 +242,7 @@ class CpuPagedAttention:
     name = "cpu"
     ops = CpuOps
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, *, sliding_window=None, sinks=None):
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
         q = q.contiguous()
@@ -219,26 +257,83 @@ class CpuPagedAttention:
             meta.query_start_loc,
             meta.block_size,
             1.0 / math.sqrt(q.shape[-1]),
+            sliding_window or 0,
+            None if sinks is None else sinks.float().contiguous(),
         )
         return out
 
 
-def select_backend(device: torch.device, name: str | None = None) -> AttentionBackend:
+def select_backend(device: torch.device, name: str | None = None, head_dim: int | None = None) -> AttentionBackend:
     """The attention backend for ``device``: ``name``, else ``ATOM_ATTENTION_BACKEND``,
-    else ``auto`` (the C++ kernel on CPU when it builds, else the portable path).
-    An explicitly named backend that cannot run is an error, never a silent fallback."""
+    else ``auto``: the first of ``auto_candidates(device)`` that runs there, each
+    fallback logged. An explicitly named backend that cannot run is a one-line
+    error, never a silent fallback."""
     name = name or os.environ.get("ATOM_ATTENTION_BACKEND") or "auto"
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, not {name!r}")
     device = torch.device(device)
-    if name == "torch" or (name == "auto" and device.type != "cpu"):
+    if name == "auto":
+        backend = first_that_runs(auto_candidates(device), device, head_dim)
+    else:
+        backend = load_backend(name, device, head_dim)
+    log.info("attention.backend", backend=backend.name, requested=name, device=str(device))
+    return backend
+
+
+def first_that_runs(candidates: tuple[str, ...], device: torch.device, head_dim: int | None) -> AttentionBackend:
+    """The first candidate that loads on ``device``, each one that does not logged; the last must load."""
+    *fallible, last = candidates
+    for candidate in fallible:
+        try:
+            return load_backend(candidate, device, head_dim)
+        except (ValueError, RuntimeError) as exc:
+            log.warning("attention.fallback", backend=candidate, reason=str(exc))
+    return load_backend(last, device, head_dim)
+
+
+def auto_candidates(device: torch.device) -> tuple[str, ...]:
+    """``auto``'s order, fastest first: the vendor library (aiter on ROCm, FlashInfer on CUDA), Triton, torch."""
+    if device.type == "cpu":
+        return ("cpu", "torch")
+    if device.type != "cuda":
+        return ("torch",)
+    return ("aiter" if torch.version.hip else "flashinfer", "triton", "torch")
+
+
+def load_backend(name: str, device: torch.device, head_dim: int | None = None) -> AttentionBackend:
+    """Backend ``name`` on ``device``; ValueError if it cannot run there, RuntimeError if it is not installed."""
+    if name == "torch":
         return TorchPagedAttention()
-    if device.type != "cpu":
-        raise ValueError(f"attention_backend 'cpu' runs on the CPU, not on {device}")
-    error = kernels.load_cpu_kernels()
-    if error is None:
-        return CpuPagedAttention()
     if name == "cpu":
-        raise RuntimeError(f"attention_backend 'cpu' is unavailable: {error}")
-    log.warning("attention.fallback", backend="torch", reason=error)
-    return TorchPagedAttention()
+        if device.type != "cpu":
+            raise ValueError(f"attention_backend 'cpu' runs on the CPU, not on {device}")
+        if (error := kernels.load_cpu_kernels()) is not None:
+            raise RuntimeError(f"attention_backend 'cpu' is unavailable: {error}")
+        return CpuPagedAttention()
+    if name == "triton":
+        if (error := triton_unavailable(device, head_dim)) is not None:
+            raise ValueError(f"attention_backend 'triton' cannot run: {error}")
+        from atom_anyio.engine.triton_attention import TritonPagedAttention
+
+        return TritonPagedAttention()
+    from atom_anyio.engine import vendor_attention
+
+    return vendor_attention.load(name, device, head_dim)
+
+
+def triton_interpreted() -> bool:
+    """``TRITON_INTERPRET`` is on: Triton runs kernels defined from now on in its interpreter, on the CPU."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+def triton_unavailable(device: torch.device, head_dim: int | None) -> str | None:
+    """Why the Triton kernel cannot run on ``device`` (or for ``head_dim``), or None."""
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    if head_dim is not None and not 1 <= head_dim <= 256:
+        return f"head_dim {head_dim} is outside 1..256"
+    if device.type == "cpu":
+        return None if triton_interpreted() else "on the CPU it runs only under TRITON_INTERPRET=1"
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return f"it needs a CUDA or ROCm GPU, and {device} is not one"
+    return None

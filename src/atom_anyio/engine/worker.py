@@ -18,10 +18,12 @@ import torch
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from atom_anyio.engine.attention import AttentionMetadata
+from atom_anyio.engine.attention import AttentionMetadata, stage
+from atom_anyio.engine.config import EngineConfig
+from atom_anyio.engine.cuda_graphs import DecodeGraphs
 from atom_anyio.engine.grammar import accept_tokens, apply_masks
 from atom_anyio.engine.sampler import Sampler, SamplingInputs
-from atom_anyio.engine.sequence import Logprob
+from atom_anyio.engine.stream import Logprob
 from atom_anyio.models.llama import LlamaForCausalLM
 
 
@@ -50,13 +52,47 @@ def kv_bytes_per_token(model: LlamaForCausalLM, dtype: torch.dtype) -> int:
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
 
 
+def kv_pool_bytes(cfg: EngineConfig, model: LlamaForCausalLM) -> int:
+    """The KV pool's budget: ``kv_cache_gib`` on the CPU; on a GPU, ``gpu_memory_utilization``
+    of its memory less what is in use (these weights, other processes) and one step's activations."""
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        return int(cfg.kv_cache_gib * 2**30)
+    free, total = torch.cuda.mem_get_info(device)
+    budget = int(total * cfg.gpu_memory_utilization) - (total - free) - activation_bytes(cfg, model)
+    if budget <= 0:
+        raise ValueError(
+            f"gpu_memory_utilization {cfg.gpu_memory_utilization} leaves no room for the KV pool on {device} "
+            f"({(total - free) / 2**30:.1f} of {total / 2**30:.1f} GiB in use)"
+        )
+    return budget
+
+
+def activation_bytes(cfg: EngineConfig, model: LlamaForCausalLM) -> int:
+    """A generous bound on one step's transient memory: the largest step's hidden states,
+    projections and MLP, the sampled rows' float32 logits (and their sort), twice over, and 512 MiB."""
+    mc = model.config
+    itemsize = next(model.parameters()).element_size()
+    width = 4 * mc.hidden_size + (2 * mc.num_attention_heads + 2 * mc.num_key_value_heads) * mc.head_dim
+    width += 3 * mc.intermediate_size
+    logits = cfg.max_num_seqs * mc.vocab_size * 4 * 4
+    return 2 * (cfg.max_num_batched_tokens * width * itemsize + logits) + 512 * 2**20
+
+
 class Worker:
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, num_threads: int = 1):
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        num_blocks: int,
+        block_size: int,
+        num_threads: int = 1,
+        decode_graphs: tuple[int, int] | None = None,  # (max_model_len, max_num_seqs): see cuda_graphs.py
+    ):
         self.model = model
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         cfg = model.config
-        num_slots = num_blocks * block_size
+        num_slots = (num_blocks + (decode_graphs is not None)) * block_size  # a spare block for padding rows
         self.kv_pool = torch.zeros(
             cfg.num_hidden_layers,
             2,
@@ -68,10 +104,13 @@ class Worker:
         )
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_pool]
         self.block_size = block_size
+        self.graphs = None
+        if decode_graphs is not None:
+            spare_slot = num_blocks * block_size
+            self.graphs = DecodeGraphs(model, self.kv_caches, block_size, spare_slot, *decode_graphs)
         self.num_threads = num_threads
         self.sampler = Sampler()
         self.limiter = anyio.CapacityLimiter(1)
-        self.failpoint: Exception | None = None  # off unless a test sets it: every step raises it
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
@@ -80,15 +119,12 @@ class Worker:
         elif torch.get_num_threads() != self.num_threads:  # OpenMP settings are per thread too
             torch.set_num_threads(self.num_threads)
         t0 = time.perf_counter()
-        if self.failpoint is not None:
-            raise self.failpoint
-        dev = self.device
-        meta = AttentionMetadata.build(step.block_tables, step.context_lens, step.query_lens, self.block_size, dev)
-        input_ids = torch.tensor(step.input_ids, dtype=torch.long).to(dev, non_blocking=True)
-        positions = torch.tensor(step.positions, dtype=torch.long).to(dev, non_blocking=True)
-        hidden = self.model(input_ids, positions, meta, self.kv_caches)
-        last = torch.tensor(step.query_lens).cumsum(0) - 1
-        logits = self.model.compute_logits(hidden[last[step.sample_rows].to(dev)])
+        graphs = self.graphs
+        every_row_samples = len(step.sample_rows) == len(step.query_lens)
+        if graphs and every_row_samples and graphs.fits(step.block_tables, step.context_lens, step.query_lens):
+            logits = self.graphs.logits(step.input_ids, step.block_tables, step.context_lens)
+        else:
+            logits = self.forward(step)
         if not torch.isfinite(logits).all():
             raise FloatingPointError("non-finite logits")
         t1 = time.perf_counter()
@@ -99,6 +135,16 @@ class Worker:
         t2 = time.perf_counter()
         timings = {"forward": t1 - t0, "sample": t2 - t1}
         return StepOutput(out.token_ids, out.logprobs, rejected=rejected, timings=timings)
+
+    def forward(self, step: StepInput) -> torch.Tensor:
+        """float32 logits of the step's sample rows."""
+        dev = self.device
+        meta = AttentionMetadata.build(step.block_tables, step.context_lens, step.query_lens, self.block_size, dev)
+        input_ids = stage(torch.tensor(step.input_ids, dtype=torch.long), dev)
+        positions = stage(torch.tensor(step.positions, dtype=torch.long), dev)
+        hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        last = torch.tensor(step.query_lens).cumsum(0) - 1
+        return self.model.compute_logits(hidden[stage(last[step.sample_rows], dev)])
 
     def _execute_or_error(self, step: StepInput) -> StepOutput:
         try:
