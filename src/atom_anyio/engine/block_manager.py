@@ -15,6 +15,10 @@
   ``array('i')`` (``block_size`` slots per block), so the metadata of a full
   prefix cache is a fixed ``4 * num_blocks * block_size`` bytes plus one hash
   int and one dict entry per cached block, and nothing the GC has to walk.
+* With ``record_events``, a block's hash being set is a ``BlockStored`` event
+  (one per run of consecutive blocks, chained on the block before) and its
+  hash being dropped a ``BlockRemoved``: ``take_events`` hands them over once
+  per step, for a KV-aware router (obs/kv_events.py).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from collections import OrderedDict
 
 from atom_anyio.engine.block_hash import ROOT_HASH, hash_block
 from atom_anyio.engine.sequence import Sequence
+from atom_anyio.obs import kv_events
 
 
 class Block:
@@ -36,13 +41,15 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, record_events: bool = False):
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.block_tokens = array("i", bytes(4 * num_blocks * block_size))  # a cached block's tokens, by block id
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[int, int] = {}  # hash -> block id
         self.num_hit_tokens = 0  # prefix-cache hits since start (a counter for metrics)
+        self.num_queried_tokens = 0  # prompt tokens looked up in the prefix cache since start
+        self.events: list | None = [kv_events.all_blocks_cleared()] if record_events else None
 
     @property
     def num_blocks(self) -> int:
@@ -93,6 +100,7 @@ class BlockManager:
         seq.num_committed_blocks = len(hits)
         seq.num_cached_tokens = max(seq.num_cached_tokens, seq.num_computed_tokens)
         self.num_hit_tokens += seq.num_computed_tokens
+        self.num_queried_tokens += len(seq)
 
     def _tokens(self, block_id: int) -> array:
         return self.block_tokens[block_id * self.block_size : (block_id + 1) * self.block_size]
@@ -109,6 +117,8 @@ class BlockManager:
             block = self.blocks[block_id]
             if block.hash is not None:
                 del self.cached[block.hash]
+                if self.events is not None:
+                    self.events.append(kv_events.block_removed(block.hash))
                 block.hash = None
             block.ref_count = 1
             seq.block_table.append(block_id)
@@ -122,6 +132,7 @@ class BlockManager:
             for i in range(len(seq.block_hashes), num_full):
                 parent = hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs])
                 seq.block_hashes.append(parent)
+        stored = []
         for i in range(seq.num_committed_blocks, num_full):
             block = self.blocks[seq.block_table[i]]
             h = seq.block_hashes[i]
@@ -131,7 +142,27 @@ class BlockManager:
                     "i", seq.token_ids[i * bs : (i + 1) * bs]
                 )
                 self.cached[h] = block.block_id
+                stored.append(i)
         seq.num_committed_blocks = max(seq.num_committed_blocks, num_full)
+        if self.events is not None and stored:
+            self._record_stored(seq, stored)
+
+    def _record_stored(self, seq: Sequence, stored: list[int]) -> None:
+        """One ``BlockStored`` per run of consecutive block indices."""
+        bs = self.block_size
+        start = 0
+        for k in range(1, len(stored) + 1):
+            if k == len(stored) or stored[k] != stored[k - 1] + 1:
+                first, last = stored[start], stored[k - 1]
+                parent = seq.block_hashes[first - 1] if first else None
+                tokens = seq.token_ids[first * bs : (last + 1) * bs]
+                self.events.append(kv_events.block_stored(seq.block_hashes[first : last + 1], parent, tokens, bs))
+                start = k
+
+    def take_events(self) -> list:
+        """The events since the last call (empty when not recording)."""
+        events, self.events = self.events, [] if self.events is not None else None
+        return events or []
 
     def free_seq(self, seq: Sequence) -> None:
         """Drop ``seq``'s references; its cached blocks stay reusable (LRU)."""

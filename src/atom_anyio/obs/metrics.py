@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -17,7 +17,6 @@ from prometheus_client.registry import Collector
 from atom_anyio.engine.sequence import num_alive
 
 if TYPE_CHECKING:
-    from atom_anyio.api.server import Server
     from atom_anyio.engine.loop import Engine
 
 disable_created_metrics()  # no *_created series: a fixed set of lines per metric
@@ -27,6 +26,22 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1
 LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 GC_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+
+# vLLM's names, labels and buckets (vllm/v1/metrics/loggers.py and buckets.py), which routers and
+# autoscalers read; one engine, so the label values are fixed at bind time
+VLLM_LABELS = ("model_name", "engine")
+VLLM_TTFT_BUCKETS = (
+    *(0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75),
+    *(1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0),
+)
+VLLM_ITL_BUCKETS = (
+    *(0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5),
+    *(0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0),
+)
+VLLM_REQUEST_LATENCY_BUCKETS = (
+    *(0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0),
+    *(40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0),
+)
 
 
 class EngineCollector(Collector):
@@ -49,12 +64,46 @@ class EngineCollector(Collector):
         )
         yield CounterMetricFamily("atom_preemptions", "Sequences preempted (recompute)", value=sched.num_preemptions)
         yield GaugeMetricFamily("atom_sequences_alive", "Sequence objects alive in the process", value=num_alive())
+        if self.engine.kv_events is not None:
+            dropped = self.engine.kv_events.num_dropped
+            yield CounterMetricFamily("atom_kv_events_dropped", "KV event batches dropped (queue full)", value=dropped)
+
+
+class VllmEngineCollector(Collector):
+    """The engine's state under vLLM's names and labels."""
+
+    def __init__(self, engine: Engine, labels: list[str]):
+        self.engine, self.labels = engine, labels
+
+    def collect(self) -> Iterator[Metric]:
+        engine, bm = self.engine, self.engine.block_manager
+        gauge, counter = GaugeMetricFamily, CounterMetricFamily
+        for kind, name, doc, value in (
+            (gauge, "vllm:num_requests_running", "Requests in the running batch", len(engine.scheduler.running)),
+            (gauge, "vllm:num_requests_waiting", "Requests waiting to be processed", engine.num_waiting_seqs),
+            (gauge, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage", bm.usage),
+            (counter, "vllm:prefix_cache_queries", "Prefix cache queries, in tokens", bm.num_queried_tokens),
+            (counter, "vllm:prefix_cache_hits", "Prefix cache hits, in tokens", bm.num_hit_tokens),
+            (counter, "vllm:num_preemptions", "Preemptions", engine.scheduler.num_preemptions),
+        ):
+            family = kind(name, doc, labels=VLLM_LABELS)
+            family.add_metric(self.labels, value)
+            yield family
+
+
+class Admitting(Protocol):
+    """What the admission gauges read (the server's runtime); a protocol, so obs imports no api."""
+
+    config: Any
+    num_waiting_seqs: int
+    num_waiting_tokens: int
+    num_in_flight: int
 
 
 class AdmissionCollector(Collector):
     """The waiting queue admission bounds, and its limits."""
 
-    def __init__(self, server: Server):
+    def __init__(self, server: Admitting):
         self.server = server
 
     def collect(self) -> Iterator[Metric]:
@@ -114,11 +163,15 @@ class Metrics:
             if per_request
             else None
         )
+        self.vllm: VllmSeries | None = None
 
-    def bind_engine(self, engine: Engine) -> None:
+    def bind_engine(self, engine: Engine, model_name: str) -> None:
         self.registry.register(EngineCollector(engine))
+        labels = [model_name, "0"]
+        self.registry.register(VllmEngineCollector(engine, labels))
+        self.vllm = VllmSeries(self.registry, labels)
 
-    def bind_admission(self, server: Server) -> None:
+    def bind_admission(self, server: Admitting) -> None:
         self.registry.register(AdmissionCollector(server))
 
     def request_started(self, request_id: str | None, prompt_tokens: int, segment_hits: int) -> None:
@@ -137,9 +190,46 @@ class Metrics:
                 hist.observe(usage.timings[name])
         for gap in usage.inter_token_gaps:
             self.itl.observe(gap)
+        if self.vllm is not None:
+            self.vllm.observe_finished(usage)
         if self.context_tokens is not None and request_id:
             with contextlib.suppress(KeyError):  # never started (refused before prepare)
                 self.context_tokens.remove(request_id)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class VllmSeries:
+    """Request counters and histograms under vLLM's names, one labelled child each."""
+
+    def __init__(self, r: CollectorRegistry, labels: list[str]):
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, VLLM_LABELS, buckets=buckets, registry=r).labels(*labels)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, VLLM_LABELS, registry=r).labels(*labels)
+
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token", VLLM_TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Time between deltas", VLLM_ITL_BUCKETS)
+        self.tpot = histogram(
+            "vllm:request_time_per_output_token_seconds", "Decode time per output token, per request", VLLM_ITL_BUCKETS
+        )
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "End to end", VLLM_REQUEST_LATENCY_BUCKETS)
+        self.queue_time = histogram(
+            "vllm:request_queue_time_seconds", "Waiting for a first step", VLLM_REQUEST_LATENCY_BUCKETS
+        )
+
+    def observe_finished(self, usage) -> None:
+        self.prompt_tokens.inc(usage.prompt_tokens)
+        self.generation_tokens.inc(usage.completion_tokens)
+        t = usage.timings
+        for name, hist in (("ttft", self.ttft), ("e2e", self.e2e), ("queue_time", self.queue_time)):
+            if name in t:
+                hist.observe(t[name])
+        for gap in usage.inter_token_gaps:
+            self.itl.observe(gap)
+        if "ttft" in t and "e2e" in t and usage.completion_tokens > 1:
+            self.tpot.observe((t["e2e"] - t["ttft"]) / (usage.completion_tokens - 1))
