@@ -9,6 +9,7 @@ sampling the logits. Everything after the sampler is real.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from support import scripted, serving_app
@@ -33,7 +34,7 @@ ARGUMENTS = '{"city": "Paris", "unit": "celsius"}'
 CALL = f'<tool_call>\n{{"name": "get_weather", "arguments": {ARGUMENTS}}}\n</tool_call>'
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def anyio_backend():
     return "asyncio"  # Quart is asyncio-only
 
@@ -162,7 +163,7 @@ async def test_an_assistant_tool_call_and_its_result_render_through_the_template
     client = app.quart.test_client()
     r = await client.post("/tokenize", json={"messages": messages, "tools": [WEATHER_TOOL]})
     tokenized = await r.get_json()
-    prompt = app.server.loaded.tokenizer.decode(tokenized["tokens"])
+    prompt = app.runtime.loaded.tokenizer.decode(tokenized["tokens"])
     assert f"<|im_start|>assistant\n<think>\nI should call the tool.\n</think>\n\n{CALL}<|im_end|>" in prompt
     assert "<|im_start|>user\n<tool_response>\nsunny, 24 C\n</tool_response><|im_end|>" in prompt
     assert '<tools>\n{"type": "function", "function": {"name": "get_weather"' in prompt
@@ -175,11 +176,11 @@ async def test_an_assistant_tool_call_and_its_result_render_through_the_template
 
 
 async def test_the_parser_flags_override_the_template(tiny_model):
-    config = Config(
+    config = Config.of(
         kv_cache_gib=0.05, chat_template=template_path("qwen3_tools"), reasoning_parser="none", tool_call_parser="none"
     )
     atom = AtomApp(config, loaded=tiny_model)
-    async with atom.server.serving():
+    async with atom.serving():
         with scripted(atom, f"Thoughts.\n</think>\n\n{CALL}"):
             message = (await chat(atom, tools=[WEATHER_TOOL]))["choices"][0]["message"]
     assert message["content"] == f"Thoughts.\n</think>\n\n{CALL}" and message["reasoning_content"] is None
@@ -193,7 +194,7 @@ async def test_openai_sdk_chat_with_tools_and_streamed_reasoning_over_http(app):
     thought = "The user wants the weather, so I call the tool."
     async with served_over_http(app) as base_url:
         client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
-        model = app.server.model_name
+        model = app.runtime.model_name
         with scripted(app, f"{thought}\n</think>\n\n{CALL}"):  # the prompt opened the <think>
             first = await client.chat.completions.create(model=model, messages=USER, tools=[WEATHER_TOOL])
         message = first.choices[0].message
@@ -216,3 +217,213 @@ async def test_openai_sdk_chat_with_tools_and_streamed_reasoning_over_http(app):
         assert reasoning == thought and content == "It is 21 degrees in Paris."
         assert chunks[-1].choices[0].finish_reason == "stop"
         await client.close()
+
+
+# tools with default flags on a template that reads none (SmolLM2's): the default Hermes format
+
+TIME_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The time in a zone.",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "pattern": "^[A-Z]{3}$"}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+BOUNDED_WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 12},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME_CALL = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'
+HISTORY = [
+    *USER,
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": ARGUMENTS}}
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 24 C"},
+    {"role": "tool", "tool_call_id": "call_2", "content": "windy"},
+]
+
+
+@pytest.fixture(scope="module")
+async def smol(tiny_model):
+    """Default flags and the tokenizer's own template (SmolLM2's, which reads no tools)."""
+    async with serving_app(tiny_model, kv_cache_gib=0.05) as atom:
+        yield atom
+
+
+async def rendered(atom: AtomApp, messages: list[dict], **body) -> str:
+    r = await atom.quart.test_client().post("/tokenize", json={"messages": messages, **body})
+    assert r.status_code == 200, await r.get_data(as_text=True)
+    return atom.runtime.loaded.tokenizer.decode((await r.get_json())["tokens"])
+
+
+async def test_default_flags_list_the_tools_in_a_system_block(smol):
+    prompt = await rendered(smol, USER, tools=[WEATHER_TOOL])
+    assert prompt.startswith("<|im_start|>system\n# Tools\n\n")
+    assert f"<tools>\n{json.dumps(WEATHER_TOOL)}\n</tools>" in prompt
+    assert (
+        '<tool_call>\n{"name": <function-name>, "arguments": <arguments-json-object>}\n</tool_call><|im_end|>' in prompt
+    )
+    assert prompt.endswith("<|im_start|>user\nWhat is the weather in Paris?<|im_end|>\n<|im_start|>assistant\n")
+    with_system = await rendered(smol, [{"role": "system", "content": "Be brief."}, *USER], tools=[WEATHER_TOOL])
+    assert with_system.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n\n")
+    assert "<tools>" not in await rendered(smol, USER)
+
+
+async def test_default_flags_render_tool_calls_and_results_as_text(smol):
+    for tools in ([WEATHER_TOOL], None):
+        prompt = await rendered(smol, HISTORY, **({"tools": tools} if tools else {}))
+        assert f"<|im_start|>assistant\n{CALL}<|im_end|>\n" in prompt
+        responses = "<tool_response>\nsunny, 24 C\n</tool_response>\n<tool_response>\nwindy\n</tool_response>"
+        assert f"<|im_start|>user\n{responses}<|im_end|>\n<|im_start|>assistant\n" in prompt
+        assert ("<tools>" in prompt) == bool(tools)
+
+
+async def test_default_flags_parse_a_hermes_call_streamed_and_not(smol):
+    with scripted(smol, CALL):
+        choice = (await chat(smol, tools=[WEATHER_TOOL]))["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": ARGUMENTS}
+    with scripted(smol, f"Checking. {CALL}"):
+        chunks = await chat_stream(smol, tools=[WEATHER_TOOL])
+    calls = [t for c in chunks if c["choices"] for t in c["choices"][0]["delta"].get("tool_calls", [])]
+    assert calls[0]["function"]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
+    assert "".join(t["function"]["arguments"] for t in calls) == ARGUMENTS
+    assert joined(chunks, "content") == "Checking. " and chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+async def test_default_flags_parse_parallel_calls(smol):
+    with scripted(smol, f"{CALL}\n{TIME_CALL}"):
+        message = (await chat(smol, tools=[WEATHER_TOOL, TIME_TOOL]))["choices"][0]["message"]
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather", "get_time"]
+    assert json.loads(message["tool_calls"][1]["function"]["arguments"]) == {"zone": "CET"}
+
+
+async def test_default_flags_enforce_required_and_named_tool_choice(smol):
+    """The real sampler under the grammar: the random tiny model must still call a tool."""
+    tools = [BOUNDED_WEATHER_TOOL, TIME_TOOL]
+    for seed, choice in enumerate(["required", {"type": "function", "function": {"name": "get_time"}}]):
+        body = await chat(smol, tools=tools, tool_choice=choice, parallel_tool_calls=False, seed=seed)
+        message = body["choices"][0]["message"]
+        assert body["choices"][0]["finish_reason"] == "tool_calls", body
+        [call] = message["tool_calls"]
+        assert isinstance(json.loads(call["function"]["arguments"]), dict)
+        if choice != "required":
+            assert call["function"]["name"] == "get_time"
+            assert re.fullmatch("[A-Z]{3}", json.loads(call["function"]["arguments"])["zone"])
+
+
+async def test_default_flags_responses_call_and_force_tools(smol):
+    tools = [{"type": "function", **t["function"]} for t in [BOUNDED_WEATHER_TOOL, TIME_TOOL]]
+    client = smol.quart.test_client()
+    body = {"input": "What is the weather in Paris?", "tools": tools, "max_output_tokens": 200}
+    with scripted(smol, CALL):
+        out = await (await client.post("/v1/responses", json=body)).get_json()
+    [call] = [item for item in out["output"] if item["type"] == "function_call"]
+    assert call["name"] == "get_weather" and call["arguments"] == ARGUMENTS
+    forced = {**body, "tool_choice": {"type": "function", "name": "get_time"}, "seed": 0}
+    out = await (await client.post("/v1/responses", json=forced)).get_json()
+    assert [item["name"] for item in out["output"] if item["type"] == "function_call"] == ["get_time"], out
+
+
+async def test_default_flags_anthropic_tools_auto_any_and_tool(smol):
+    tools = [
+        {"name": t["function"]["name"], "input_schema": t["function"]["parameters"]}
+        for t in [BOUNDED_WEATHER_TOOL, TIME_TOOL]
+    ]
+    body = {"model": smol.runtime.model_name, "max_tokens": 200, "messages": USER, "tools": tools}
+    client = smol.quart.test_client()
+    with scripted(smol, CALL):
+        out = await (await client.post("/v1/messages", json=body)).get_json()
+    assert out["stop_reason"] == "tool_use", out
+    [use] = [b for b in out["content"] if b["type"] == "tool_use"]
+    assert use["name"] == "get_weather" and use["input"] == json.loads(ARGUMENTS)
+    for choice in [{"type": "any", "disable_parallel_tool_use": True}, {"type": "tool", "name": "get_time"}]:
+        r = await client.post("/v1/messages", json={**body, "tool_choice": choice, "temperature": 0})
+        out = await r.get_json()
+        assert r.status_code == 200 and out["stop_reason"] == "tool_use", out
+        uses = [b for b in out["content"] if b["type"] == "tool_use"]
+        assert len(uses) == 1 and (choice["type"] == "any" or uses[0]["name"] == "get_time")
+
+
+async def test_default_flags_sdk_clients_receive_structured_tool_calls_over_http(smol):
+    import anthropic
+    import openai
+    from support import served_over_http
+
+    async with served_over_http(smol) as base_url:
+        oa = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+        model = smol.runtime.model_name
+        with scripted(smol, CALL):
+            first = await oa.chat.completions.create(model=model, messages=USER, tools=[WEATHER_TOOL])
+        [call] = first.choices[0].message.tool_calls
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments) == json.loads(ARGUMENTS)
+        with scripted(smol, CALL):
+            stream = await oa.chat.completions.create(model=model, messages=USER, tools=[WEATHER_TOOL], stream=True)
+            deltas = [
+                t
+                for chunk in [c async for c in stream]
+                if chunk.choices
+                for t in chunk.choices[0].delta.tool_calls or []
+            ]
+        assert deltas[0].function.name == "get_weather"
+        assert json.loads("".join(d.function.arguments for d in deltas)) == json.loads(ARGUMENTS)
+        await oa.close()
+
+        tools = [{"name": "get_weather", "input_schema": WEATHER_TOOL["function"]["parameters"]}]
+        async with anthropic.AsyncAnthropic(base_url=base_url, api_key="unused", max_retries=0) as an:
+            with scripted(smol, CALL):
+                message = await an.messages.create(model=model, max_tokens=200, messages=USER, tools=tools)
+            assert message.stop_reason == "tool_use"
+            [use] = [b for b in message.content if b.type == "tool_use"]
+            assert use.name == "get_weather" and use.input == json.loads(ARGUMENTS)
+            with scripted(smol, CALL):
+                async with an.messages.stream(model=model, max_tokens=200, messages=USER, tools=tools) as stream:
+                    streamed = await stream.get_final_message()
+            [use] = [b for b in streamed.content if b.type == "tool_use"]
+            assert use.name == "get_weather" and use.input == json.loads(ARGUMENTS)
+
+
+def test_smollm2_renders_tools_in_the_default_format():
+    """SmolLM2's real tokenizer and template, through the same prepare path a request takes."""
+    from transformers import AutoTokenizer
+
+    from atom_anyio.prompt.prepare import PrepareContext, PromptRequest, prepare_prompt
+    from atom_anyio.prompt.segment_cache import SegmentCache
+
+    tokenizer = AutoTokenizer.from_pretrained("/work/smollm2-hf")
+    ctx = PrepareContext(tokenizer=tokenizer, segment_cache=SegmentCache(tokenizer), max_model_len=8192, block_size=16)
+    assert not ctx.reads_tools([WEATHER_TOOL])
+    text = prepare_prompt(PromptRequest(messages=HISTORY[:2], tools=[WEATHER_TOOL]), ctx).text
+    assert text == (
+        "<|im_start|>system\n# Tools\n\nYou may call one or more functions to help with the user's request. "
+        "The functions are listed as JSON schemas within <tools></tools> tags:\n"
+        f"<tools>\n{json.dumps(WEATHER_TOOL)}\n</tools>\n\n"
+        "To call a function, write a JSON object with its name and arguments within <tool_call></tool_call> tags, "
+        'one block per call:\n<tool_call>\n{"name": <function-name>, "arguments": <arguments-json-object>}\n'
+        "</tool_call><|im_end|>\n"
+        "<|im_start|>user\nWhat is the weather in Paris?<|im_end|>\n"
+        f"<|im_start|>assistant\n{CALL}<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )

@@ -378,8 +378,12 @@ def test_the_shipped_template_is_detected_as_think_and_hermes():
         ("{{ '<think>\\n' }}{{ '<tool_call>' }}", ParserSpec(THINK, "hermes")),
         ("{{ '[TOOL_CALLS]' + tool_calls | tojson }}", ParserSpec(None, "mistral")),
         ("{{ '<|python_tag|>' }}{{ 'ipython' }}", ParserSpec(None, "llama3_json")),
-        ("<｜Assistant｜></think>", ParserSpec(THINK, None)),
-        ("{{ '<|im_start|>' + message.content }}", ParserSpec(None, None)),
+        ("{{ tools }}<｜Assistant｜></think>", ParserSpec(THINK, None)),
+        ("{% for tool in tools %}{{ tool | tojson }}{% endfor %}", ParserSpec(None, None)),
+        # a template that reads no tools gets them in the default format: Hermes
+        ("{{ '<|im_start|>' + message.content }}", ParserSpec(None, "hermes")),
+        ("<｜Assistant｜></think>", ParserSpec(THINK, "hermes")),
+        ("{{ '<|start|>' }}{{ '<|channel|>final' }}", ParserSpec(tool_format="harmony", is_harmony=True)),
         (None, ParserSpec(None, None)),
         ({"default": "plain", "tool_use": "{{ '<tool_call>' }}"}, ParserSpec(None, "hermes")),
     ],
@@ -397,4 +401,4 @@ def test_flags_force_or_disable_the_parsers():
     with pytest.raises(ValueError, match="hermes.*qwen3_coder.*llama3_json.*mistral"):
         ParserSpec.detect(template, tool_call_parser="gpt")
     with pytest.raises(ValueError, match="reasoning_parser"):
-        Config(reasoning_parser="think_hard")
+        Config.of(reasoning_parser="think_hard")

@@ -1,8 +1,9 @@
 """One request's output, split into reasoning, visible content and tool calls as it streams.
 
 ``OutputParser`` runs the reasoning parser first (``<think>...</think>``, seeded from the prompt
-text the engine runs), then the tool-call parser on the visible content. Feeding the output in
-any split gives the same joined result as feeding it whole.
+text the engine runs), then the tool-call parser on the visible content; GPT-OSS's harmony
+output has one parser for all three (``parse.harmony``). Feeding the output in any split gives
+the same joined result as feeding it whole.
 """
 
 from __future__ import annotations
@@ -10,8 +11,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from atom_anyio.parse.harmony import HarmonyParser
 from atom_anyio.parse.reasoning import REASONING_PARSERS, ReasoningParser, opens_reasoning
 from atom_anyio.parse.tool_calls import TOOL_CALL_PARSERS, ToolCall, ToolCallDelta, ToolParser, detect_tool_format
+from atom_anyio.prompt.render import DEFAULT_TOOL_FORMAT, reads_tools
+
+HARMONY = "harmony"  # GPT-OSS: reasoning, content and calls in one format (vLLM: openai_gptoss / openai)
+HARMONY_NAMES = {"reasoning_parser": (HARMONY, "openai_gptoss"), "tool_call_parser": (HARMONY, "openai")}
 
 __all__ = ["OutputParser", "ParsedDelta", "ParserSpec", "ToolCall", "ToolCallDelta"]
 
@@ -42,11 +48,15 @@ class ParserSpec:
     """Which parsers a server runs; built once at startup from the chat template and the flags."""
 
     reasoning_tags: tuple[str, str] | None = None  # e.g. ("<think>", "</think>")
-    tool_format: str | None = None  # one of TOOL_CALL_PARSERS
+    tool_format: str | None = None  # one of TOOL_CALL_PARSERS, or HARMONY
+    is_harmony: bool = False  # harmony messages: no reasoning tags; tool_format HARMONY or None (no calls)
 
     def __post_init__(self) -> None:
-        if self.tool_format is not None and self.tool_format not in TOOL_CALL_PARSERS:
-            raise ValueError(f"tool_format must be one of {sorted(TOOL_CALL_PARSERS)}, got {self.tool_format!r}")
+        formats = [HARMONY] if self.is_harmony else sorted(TOOL_CALL_PARSERS)
+        if self.tool_format is not None and self.tool_format not in formats:
+            raise ValueError(f"tool_format must be one of {formats}, got {self.tool_format!r}")
+        if self.is_harmony and self.reasoning_tags is not None:
+            raise ValueError("harmony output has no reasoning tags")
 
     @classmethod
     def detect(
@@ -57,20 +67,41 @@ class ParserSpec:
         tool_call_parser: str = "auto",
     ) -> ParserSpec:
         """``"auto"``: detect from the template text; ``"none"``: off; a name forces that parser.
-        An unknown name is a ValueError listing the choices."""
+        An unknown name is a ValueError listing the choices. A template that reads no ``tools``
+        gets them in the default format (``prompt.render.default_tools``), so ``auto`` parses it."""
+        tool_source = chat_template
         if isinstance(chat_template, Mapping):
+            tool_source = chat_template.get("tool_use", chat_template.get("default"))
             chat_template = "\n".join(chat_template.values())
         template = chat_template or ""
-        reasoning = _choose("reasoning_parser", reasoning_parser, REASONING_PARSERS, _detect_reasoning(template))
-        return cls(
-            reasoning_tags=REASONING_PARSERS[reasoning] if reasoning else None,
-            tool_format=_choose("tool_call_parser", tool_call_parser, TOOL_CALL_PARSERS, detect_tool_format(template)),
+        is_harmony = "<|channel|>" in template
+        detected_tools = detect_tool_format(template)
+        if detected_tools is None and tool_source and not reads_tools(tool_source):
+            detected_tools = DEFAULT_TOOL_FORMAT
+        reasoning = _choose(
+            "reasoning_parser",
+            reasoning_parser,
+            REASONING_PARSERS,
+            HARMONY if is_harmony else _detect_reasoning(template),
         )
+        tools = _choose(
+            "tool_call_parser", tool_call_parser, TOOL_CALL_PARSERS, HARMONY if is_harmony else detected_tools
+        )
+        if HARMONY not in (reasoning, tools):
+            return cls(reasoning_tags=REASONING_PARSERS[reasoning] if reasoning else None, tool_format=tools)
+        if tools not in (None, HARMONY) and tool_call_parser != "auto":
+            raise ValueError(f"tool_call_parser {tool_call_parser!r} cannot read harmony output; use harmony or none")
+        return cls(tool_format=None if tools is None else HARMONY, is_harmony=True)
 
     @property
     def keeps_special_tokens(self) -> bool:
         """Mistral's ``[TOOL_CALLS]`` is a special token: tool parsing needs it in the output text."""
         return self.tool_format == "mistral"
+
+    def decodes_special_tokens(self, *, parse_tools: bool) -> bool:
+        """Whether a request's output text must keep special tokens: harmony's tags always, the
+        tool-call format's (``keeps_special_tokens``) while tools are parsed."""
+        return self.is_harmony or (parse_tools and self.keeps_special_tokens)
 
 
 def _choose(flag: str, value: str, choices: Mapping[str, object], detected: str | None) -> str | None:
@@ -78,8 +109,10 @@ def _choose(flag: str, value: str, choices: Mapping[str, object], detected: str 
         return detected
     if value == "none":
         return None
+    if value in HARMONY_NAMES[flag]:
+        return HARMONY
     if value not in choices:
-        raise ValueError(f"{flag} must be one of {['auto', 'none', *choices]}, got {value!r}")
+        raise ValueError(f"{flag} must be one of {['auto', 'none', *choices, *HARMONY_NAMES[flag]]}, got {value!r}")
     return value
 
 
@@ -94,10 +127,15 @@ class OutputParser:
     def __init__(self, spec: ParserSpec, prompt_text: str | None, *, parse_tools: bool):
         tags = spec.reasoning_tags
         self._reasoning = ReasoningParser(tags, in_reasoning=opens_reasoning(prompt_text, tags)) if tags else None
-        self._tools = ToolParser.for_format(spec.tool_format) if parse_tools and spec.tool_format else None
+        is_parsing_tools = parse_tools and spec.tool_format is not None
+        self._harmony = HarmonyParser(parse_tools=is_parsing_tools) if spec.is_harmony else None
+        self._tools = ToolParser.for_format(spec.tool_format) if is_parsing_tools and not spec.is_harmony else None
 
     def feed(self, text: str) -> ParsedDelta:
         """One engine text delta in; the newly classified text out."""
+        if self._harmony is not None:
+            reasoning, content, calls = self._harmony.feed(text)
+            return ParsedDelta(reasoning, content, merge_deltas(calls))
         reasoning, content = self._reasoning.feed(text) if self._reasoning else ("", text)
         if self._tools is None:
             return ParsedDelta(reasoning, content)
@@ -106,6 +144,9 @@ class OutputParser:
 
     def finish(self) -> ParsedDelta:
         """End of output: release held-back text; an unfinished or malformed call comes back as content."""
+        if self._harmony is not None:
+            reasoning, content, calls = self._harmony.finish()
+            return ParsedDelta(reasoning, content, merge_deltas(calls))
         reasoning, content = self._reasoning.finish() if self._reasoning else ("", "")
         if self._tools is None:
             return ParsedDelta(reasoning, content)
@@ -120,7 +161,8 @@ class OutputParser:
     @property
     def tool_calls(self) -> list[ToolCall]:
         """The complete, well-formed calls so far."""
-        return list(self._tools.calls) if self._tools else []
+        calls = self._harmony or self._tools
+        return list(calls.calls) if calls else []
 
 
 def merge_deltas(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:

@@ -7,6 +7,7 @@ template is compiled once and rendered directly.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 from collections.abc import Mapping, Sequence
@@ -15,6 +16,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -52,16 +54,28 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-@functools.lru_cache(maxsize=16)
-def compile_chat_template(source: str) -> jinja2.Template:
-    """The compiled template for ``source``; compiled once per distinct string."""
+@functools.cache
+def _environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
-    return env.from_string(source)
+    return env
+
+
+@functools.lru_cache(maxsize=16)
+def compile_chat_template(source: str) -> jinja2.Template:
+    """The compiled template for ``source``; compiled once per distinct string."""
+    return _environment().from_string(source)
+
+
+@functools.lru_cache(maxsize=16)
+def reads_tools(source: str) -> bool:
+    """Whether the template reads the ``tools`` variable. One that does not (SmolLM2's, for
+    example) gets tools, tool calls and tool results in the default format (``default_tools``)."""
+    return "tools" in jinja2.meta.find_undeclared_variables(_environment().parse(source))
 
 
 def render_chat(
@@ -111,3 +125,70 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
             message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
         normalized.append(message)
     return normalized
+
+
+# The tool-call format ``default_tools`` teaches; ``parse.tool_calls`` reads it back.
+DEFAULT_TOOL_FORMAT = "hermes"
+_TOOLS_PREAMBLE = (
+    "# Tools\n\n"
+    "You may call one or more functions to help with the user's request. "
+    "The functions are listed as JSON schemas within <tools></tools> tags:\n<tools>\n"
+)
+_TOOLS_CALL_FORMAT = (
+    "\n</tools>\n\n"
+    "To call a function, write a JSON object with its name and arguments within <tool_call></tool_call> tags, "
+    "one block per call:\n"
+    '<tool_call>\n{"name": <function-name>, "arguments": <arguments-json-object>}\n</tool_call>'
+)
+
+
+def default_tools(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None) -> list[dict]:
+    """``messages`` as a template that reads no tools can render them, in the default Hermes
+    format: ``tools`` listed in a system block (after the first system or developer message's
+    text, else as a new first system message), assistant ``tool_calls`` as ``<tool_call>`` text
+    and ``tool`` results as ``<tool_response>`` text in a user turn."""
+    out: list[dict] = []
+    is_after_tool = False
+    for message in messages:
+        is_tool = message.get("role") == "tool"
+        if is_tool:
+            response = f"<tool_response>\n{_text(message.get('content'))}\n</tool_response>"
+            if is_after_tool:  # consecutive results share one user turn
+                out[-1] = {**out[-1], "content": f"{out[-1]['content']}\n{response}"}
+            else:
+                out.append({"role": "user", "content": response})
+        else:
+            out.append(_calls_as_text(message))
+        is_after_tool = is_tool
+    if tools:
+        listing = _TOOLS_PREAMBLE + "\n".join(json.dumps(t, ensure_ascii=False) for t in tools) + _TOOLS_CALL_FORMAT
+        if out and out[0].get("role") in ("system", "developer"):
+            system = _text(out[0].get("content")).rstrip()
+            out[0] = {**out[0], "content": f"{system}\n\n{listing}" if system else listing}
+        else:
+            out.insert(0, {"role": "system", "content": listing})
+    return out
+
+
+def _calls_as_text(message: Mapping[str, Any]) -> dict:
+    message = dict(message)
+    calls = [tool_call_text(call) for call in message.pop("tool_calls", None) or ()]
+    if calls:
+        text = _text(message.get("content")).rstrip()
+        message["content"] = "\n".join([text, *calls] if text else calls)
+    return message
+
+
+def tool_call_text(call: Mapping[str, Any]) -> str:
+    """One chat-shaped tool call as the default format writes it (what a forced call's grammar emits)."""
+    function = call.get("function") or {}
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        with contextlib.suppress(json.JSONDecodeError):  # else rendered as the string the client sent
+            arguments = json.loads(arguments)
+    body = json.dumps({"name": function.get("name"), "arguments": arguments}, ensure_ascii=False)
+    return f"<tool_call>\n{body}\n</tool_call>"
+
+
+def _text(content: Any) -> str:
+    return "" if content is None else content if isinstance(content, str) else json.dumps(content, ensure_ascii=False)
