@@ -101,8 +101,10 @@ def write_tiny_model(path: Path, max_position_embeddings: int = 65536, hidden_si
 
 
 @contextmanager
-def launched(label: str, cmd: list[str], env: dict[str, str], port: int, timeout_s: float) -> Iterator[Target]:
-    """Run ``cmd`` (output to a log file) until /health answers; SIGTERM it after."""
+def launched(
+    label: str, cmd: list[str], env: dict[str, str], port: int, timeout_s: float, health_path: str = "/health"
+) -> Iterator[Target]:
+    """Run ``cmd`` (output to a log file) until ``health_path`` answers; SIGTERM it after."""
     url = f"http://127.0.0.1:{port}"
     with tempfile.NamedTemporaryFile(prefix=f"{label}-", suffix=".log", delete=False) as log:
         print(f"starting {label}: {' '.join(cmd)}\n  log: {log.name}", file=sys.stderr)
@@ -113,7 +115,7 @@ def launched(label: str, cmd: list[str], env: dict[str, str], port: int, timeout
             if proc.poll() is not None:
                 raise RuntimeError(f"{label} exited {proc.returncode}: {Path(log.name).read_text()[-3000:]}")
             try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                if httpx.get(f"{url}{health_path}", timeout=2).status_code == 200:
                     break
             except httpx.TransportError:
                 pass

@@ -26,6 +26,7 @@ from words import WORDS
 from atom_anyio.engine.config import EngineConfig
 from atom_anyio.engine.grammar import Constraint, Grammars
 from atom_anyio.engine.loop import Engine
+from atom_anyio.engine.request import EngineRequest
 from atom_anyio.models.loader import LoadedModel, load_model
 from atom_anyio.sampling_params import SamplingParams, StructuredOutputs
 
@@ -80,7 +81,7 @@ async def decode(loaded: LoadedModel, prompts: list[list[int]], output_len: int,
 
     async def one(ids: list[int]) -> None:
         nonlocal num_tokens
-        async with engine.submit(ids, params, constraint=constraint) as stream:
+        async with engine.submit(EngineRequest.of_tokens(ids, params, engine, constraint)) as stream:
             async for d in stream:
                 num_tokens += len(d.token_ids)
 

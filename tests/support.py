@@ -91,12 +91,48 @@ class ScriptedSampler:
         return SamplerOutput(ids, [None] * len(ids))
 
 
+class FailingSampler:
+    """The model boundary failing, as a device error would: every step raises ``error``."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+    def __call__(self, logits: Any, inputs: SamplingInputs) -> SamplerOutput:
+        raise self.error
+
+
+class HookedSegmentCache:
+    """The prompt's tokenizer boundary with a hook: ``hook(text)`` runs in the prepare thread
+    before each encode (to block, record or fail it); the real segment cache does the work."""
+
+    def __init__(self, real: Any, hook: Callable[[str], None]):
+        self.real, self.hook = real, hook
+        self.tokenizer = real.tokenizer
+
+    def encode(self, text: str, **kwargs: Any) -> Any:
+        self.hook(text)
+        return self.real.encode(text, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+
+def hook_prepare(atom: Any, hook: Callable[[str], None]) -> None:
+    """Install a ``HookedSegmentCache`` in ``atom``'s prepare context (for the rest of its serving)."""
+    import dataclasses
+
+    rt = atom.runtime
+    rt.prepare_ctx = dataclasses.replace(
+        rt.prepare_ctx, segment_cache=HookedSegmentCache(rt.prepare_ctx.segment_cache, hook)
+    )
+
+
 @contextmanager
 def scripted(atom: Any, text: str, fail_at: int | None = None) -> Iterator[None]:
     """Install a ScriptedSampler on ``atom``'s engine for the block."""
-    worker = atom.server.engine.worker
+    worker = atom.runtime.engine.worker
     real = worker.sampler
-    worker.sampler = ScriptedSampler(atom.server.loaded.tokenizer, text, fail_at)
+    worker.sampler = ScriptedSampler(atom.runtime.loaded.tokenizer, text, fail_at)
     try:
         yield
     finally:
@@ -109,8 +145,8 @@ async def serving_app(loaded: Any, **config: Any) -> AsyncIterator[Any]:
     from atom_anyio.api.app import AtomApp
     from atom_anyio.config import Config
 
-    atom = AtomApp(Config(**config), loaded=loaded)
-    async with atom.server.serving():
+    atom = AtomApp(Config.of(**config), loaded=loaded)
+    async with atom.serving():
         yield atom
 
 

@@ -53,7 +53,7 @@ def anyio_backend() -> str:
 async def atom(tiny_model):
     """One server for the module, run by hypercorn on a free port (stopped through its shutdown
     trigger); the Quart test client reaches the same app in-process."""
-    config = Config(
+    config = Config.of(
         served_model_name=MODEL,
         api_key=API_KEY,
         chat_template=TEMPLATE,
@@ -74,7 +74,7 @@ def script(atom):
 
         def install(text: str, fail_at: int | None = None) -> ScriptedSampler:
             installed.enter_context(scripted(atom, text, fail_at))
-            return atom.server.engine.worker.sampler
+            return atom.runtime.engine.worker.sampler
 
         yield install
 
@@ -87,7 +87,7 @@ def client(atom):
 @pytest.fixture
 async def sdk(atom):
     async with anthropic.AsyncAnthropic(
-        base_url=f"http://127.0.0.1:{atom.server.config.port}", api_key=API_KEY, max_retries=0
+        base_url=f"http://127.0.0.1:{atom.runtime.config.port}", api_key=API_KEY, max_retries=0
     ) as client:
         yield client
 
@@ -244,7 +244,7 @@ async def test_max_tokens_ends_the_message_with_max_tokens(client, script):
 async def test_a_final_assistant_message_is_continued(client, script, atom):
     messages = [*USER, {"role": "assistant", "content": "It is"}]
     prepared = prepare_prompt(
-        MessagesRequest.model_validate(body(messages=messages)).prompt_request(), atom.server.prepare_ctx
+        MessagesRequest.model_validate(body(messages=messages)).prompt_request(), atom.runtime.prepare_ctx
     )
     assert prepared.text.endswith("It is")
     script(" sunny.")
@@ -272,7 +272,7 @@ async def test_tool_use_and_tool_result_render_as_the_templates_expect(atom):
     ]
     system = [{"type": "text", "text": "Be brief."}]
     req = MessagesRequest.model_validate(body(messages=messages, tools=[WEATHER_TOOL], system=system))
-    text = prepare_prompt(req.prompt_request(), atom.server.prepare_ctx).text
+    text = prepare_prompt(req.prompt_request(), atom.runtime.prepare_ctx).text
     assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools")
     assert "<think>\nI need the tool.\n</think>" in text  # thinking passed back as reasoning_content
     assert '"name": "get_weather"' in text and '"city": "Paris"' in text  # the call, arguments as JSON
@@ -281,7 +281,7 @@ async def test_tool_use_and_tool_result_render_as_the_templates_expect(atom):
     errored = json.loads(json.dumps(messages))
     errored[-1]["content"][0]["is_error"] = True
     req = MessagesRequest.model_validate(body(messages=errored, tools=[WEATHER_TOOL]))
-    assert "Error: 18 C, sunny" in prepare_prompt(req.prompt_request(), atom.server.prepare_ctx).text
+    assert "Error: 18 C, sunny" in prepare_prompt(req.prompt_request(), atom.runtime.prepare_ctx).text
 
 
 # streaming
@@ -329,7 +329,7 @@ async def test_an_engine_failure_mid_stream_ends_with_an_error_event(client, scr
     name, data = events[-1]
     assert name == "error" and data["error"]["type"] == "api_error" and "device lost" in data["error"]["message"]
     assert "message_stop" not in [n for n, _ in events]
-    engine = atom.server.engine
+    engine = atom.runtime.engine
     assert engine.is_running and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
@@ -380,8 +380,8 @@ async def test_an_unknown_messages_route_is_a_not_found_error(client):
 
 
 async def test_a_server_that_is_not_admitting_answers_overloaded(tiny_model):
-    atom = AtomApp(Config(served_model_name=MODEL, kv_cache_gib=0.05, chat_template=TEMPLATE), loaded=tiny_model)
-    async with atom.server.serving():
+    atom = AtomApp(Config.of(served_model_name=MODEL, kv_cache_gib=0.05, chat_template=TEMPLATE), loaded=tiny_model)
+    async with atom.serving():
         pass  # served, then shut down: no longer admitting
     r = await atom.quart.test_client().post("/v1/messages", json=body())
     assert r.status_code == 529 and (await r.get_json())["error"]["type"] == "overloaded_error"
@@ -455,7 +455,7 @@ async def test_sdk_error_types(sdk, atom):
     with pytest.raises(anthropic.NotFoundError):
         await sdk.messages.create(model="claude-nonexistent", max_tokens=8, messages=USER)
     async with anthropic.AsyncAnthropic(
-        base_url=f"http://127.0.0.1:{atom.server.config.port}", api_key="wrong", max_retries=0
+        base_url=f"http://127.0.0.1:{atom.runtime.config.port}", api_key="wrong", max_retries=0
     ) as bad:
         with pytest.raises(anthropic.AuthenticationError):
             await bad.messages.create(model=MODEL, max_tokens=8, messages=USER)

@@ -18,9 +18,8 @@ from typing import Any
 import anyio
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from support import wait_until
+from support import hook_prepare, wait_until
 
-import atom_anyio.api.server as server_module
 from atom_anyio.api.app import AtomApp
 from atom_anyio.config import Config
 from atom_anyio.engine.sequence import Sequence
@@ -62,8 +61,8 @@ def anyio_backend() -> str:
 
 @asynccontextmanager
 async def serve(tiny_model, **config: Any) -> AsyncIterator[AtomApp]:
-    atom = AtomApp(Config(**{"max_model_len": MAX_MODEL_LEN, "kv_cache_gib": 0.05, **config}), loaded=tiny_model)
-    async with atom.server.serving():
+    atom = AtomApp(Config.of(**{"max_model_len": MAX_MODEL_LEN, "kv_cache_gib": 0.05, **config}), loaded=tiny_model)
+    async with atom.serving():
         yield atom
 
 
@@ -154,7 +153,7 @@ async def requests_total(client) -> dict[tuple[str, str], float]:
 
 
 def engine_is_idle(atom: AtomApp, num_free_blocks: int) -> Callable[[], bool]:
-    engine = atom.server.engine
+    engine = atom.runtime.engine
     return lambda: (
         not engine.scheduler.running
         and not engine.scheduler.waiting
@@ -171,7 +170,7 @@ async def test_chat_response_has_the_openai_shape_and_usage(client, atom, tokeni
     assert data["id"].startswith("chatcmpl-")
     assert data["object"] == "chat.completion"
     assert isinstance(data["created"], int)
-    assert data["model"] == atom.server.model_name
+    assert data["model"] == atom.runtime.model_name
     [choice] = data["choices"]
     assert choice["index"] == 0
     assert choice["message"]["role"] == "assistant"
@@ -193,7 +192,7 @@ async def test_repeated_prompt_reports_cached_prompt_tokens(client, atom):
     cached = second["prompt_tokens_details"]["cached_tokens"]
     assert cached > first["prompt_tokens_details"]["cached_tokens"]
     # every full block but the last (recomputed to sample from) comes from the cache
-    block_size = atom.server.engine.cfg.block_size
+    block_size = atom.runtime.engine.cfg.block_size
     assert second["prompt_tokens"] - 2 * block_size < cached < second["prompt_tokens"]
 
 
@@ -344,7 +343,6 @@ async def test_penalties_and_filters_in_range_are_accepted(client):
         ("repetition_penalty", 0),
         ("repetition_penalty", 11),
         ("n", 0),
-        ("n", 129),
         ("max_tokens", 0),
         ("max_completion_tokens", 0),
         ("min_tokens", -1),
@@ -352,7 +350,6 @@ async def test_penalties_and_filters_in_range_are_accepted(client):
         ("logit_bias", {"5": 101}),
         ("logit_bias", {"five": 1}),
         ("stop", [""]),
-        ("stop", ["x"] * 17),
         ("seed", "abc"),
         ("user", 5),
         ("tool_choice", "sometimes"),
@@ -620,7 +617,7 @@ async def test_models_lists_the_served_model(client, atom):
     data = await (await client.get("/v1/models")).get_json()
     assert data["object"] == "list"
     [card] = data["data"]
-    assert card["id"] == atom.server.model_name and card["object"] == "model"
+    assert card["id"] == atom.runtime.model_name and card["object"] == "model"
     assert card["max_model_len"] == MAX_MODEL_LEN
     r = await client.get(f"/v1/models/{card['id']}")
     assert r.status_code == 200 and (await r.get_json())["id"] == card["id"]
@@ -781,7 +778,7 @@ def long_chat(**fields: Any) -> bytes:
 
 
 async def test_client_disconnect_mid_stream_aborts_and_frees_kv_blocks(budgeted):
-    engine = budgeted.server.engine
+    engine = budgeted.runtime.engine
     client = budgeted.quart.test_client()
     num_free = engine.block_manager.num_free_blocks
     before = await requests_total(client)
@@ -807,7 +804,7 @@ async def test_client_disconnect_mid_stream_aborts_and_frees_kv_blocks(budgeted)
 
 @pytest.mark.parametrize("streaming", [True, False], ids=["stream", "whole"])
 async def test_client_disconnect_before_the_first_token_aborts_and_frees_kv_blocks(budgeted, streaming):
-    engine = budgeted.server.engine
+    engine = budgeted.runtime.engine
     client = budgeted.quart.test_client()
     num_free = engine.block_manager.num_free_blocks
     async with client.request(
@@ -862,7 +859,7 @@ async def run_mixed_requests(client, count: int) -> None:
 
 
 async def test_no_sequence_survives_100_mixed_requests(client, atom):
-    engine = atom.server.engine
+    engine = atom.runtime.engine
     num_free = engine.block_manager.num_free_blocks
     gc.collect()
     existing = {o.seq_id for o in gc.get_objects() if type(o) is Sequence}
@@ -873,7 +870,7 @@ async def test_no_sequence_survives_100_mixed_requests(client, atom):
     assert survivors == []
 
 
-async def test_prepare_runs_off_the_event_loop_which_stays_responsive(tiny_model, monkeypatch):
+async def test_prepare_runs_off_the_event_loop_which_stays_responsive(tiny_model):
     """A ~30k-token chat prompt is rendered and tokenized (~0.3 s here) while
     a probe task ticks on the event loop: the ticks go on during prepare, and
     none is late by 50 ms or by a quarter of prepare's time, whichever is more.
@@ -886,23 +883,17 @@ async def test_prepare_runs_off_the_event_loop_which_stays_responsive(tiny_model
     loop_thread = threading.get_ident()
     preparing = threading.Event()
     prepare_threads: list[int] = []
-    real_prepare = server_module.prepare_prompt
+    prepare_started: list[float] = []
+    prepare_seconds: list[float] = []  # until the prompt reached the engine
 
-    prepare_seconds: list[float] = []
-
-    def recording_prepare(request, ctx):
+    def recording_prepare(text: str) -> None:
         prepare_threads.append(threading.get_ident())
+        prepare_started.append(time.perf_counter())
         preparing.set()
-        start = time.perf_counter()
-        try:
-            return real_prepare(request, ctx)
-        finally:
-            prepare_seconds.append(time.perf_counter() - start)
-            preparing.clear()
 
-    monkeypatch.setattr(server_module, "prepare_prompt", recording_prepare)
     async with serve(tiny_model, max_model_len=40_000, kv_cache_gib=0.1) as atom:
-        engine = atom.server.engine
+        hook_prepare(atom, recording_prepare)
+        engine = atom.runtime.engine
         client = atom.quart.test_client()
         num_free = engine.block_manager.num_free_blocks
         words = ["river", "stone", "cloud", "seven", "blue", "quickly", "under", "bright"]
@@ -922,6 +913,7 @@ async def test_prepare_runs_off_the_event_loop_which_stays_responsive(tiny_model
                 await anyio.sleep(0.001)
                 lags.append(anyio.current_time() - start - 0.001)
                 num_ticks_in_prepare += preparing.is_set()
+            prepare_seconds.append(time.perf_counter() - prepare_started[0])
 
         async with client.request(
             "/v1/chat/completions", method="POST", headers={"content-type": "application/json"}

@@ -15,7 +15,8 @@ from atom_anyio import LLM, SamplingParams
 from atom_anyio.engine.block_hash import block_hash_chain
 from atom_anyio.engine.block_manager import BlockManager
 from atom_anyio.engine.config import EngineConfig
-from atom_anyio.engine.loop import Engine, EngineError
+from atom_anyio.engine.loop import Engine
+from atom_anyio.engine.request import EngineRequest
 from atom_anyio.engine.sequence import Sequence
 from atom_anyio.prompt.prepare import PromptError
 
@@ -264,7 +265,7 @@ def test_impossible_prompt_is_refused_at_submit(tiny_model):
     with pytest.raises(PromptError, match="maximum context length is 64"):
         llm.generate([list(range(100))], SamplingParams(max_tokens=4), use_tqdm=False)
     small_pool = LLM(tiny_model, num_kv_blocks=2, max_model_len=1024)
-    with pytest.raises(EngineError, match="KV cache"):
+    with pytest.raises(PromptError, match="KV cache"):
         small_pool.generate([list(range(40))], SamplingParams(max_tokens=4), use_tqdm=False)
 
 
@@ -282,14 +283,16 @@ async def test_abort_frees_every_block_and_no_sequence_survives(tiny_model, prom
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     async with anyio.create_task_group() as tg:
         await tg.start(engine.run)
-        streams = [engine.submit(p, params) for p in prompts16[:6]]
+        streams = [engine.submit(EngineRequest.of_tokens(p, params, engine)) for p in prompts16[:6]]
         refs = [weakref.ref(s) for s in engine._inbox]
         # read a few deltas from some, none from others, then walk away from all
         for s in streams[:3]:
             await s.receive()
         for s in streams:
             await s.aclose()
-        finished = engine.submit(prompts16[7], SamplingParams(temperature=0, max_tokens=3))
+        finished = engine.submit(
+            EngineRequest.of_tokens(prompts16[7], SamplingParams(temperature=0, max_tokens=3), engine)
+        )
         async with finished:
             deltas = [d async for d in finished]
         assert deltas[-1].finish_reason == "length"
@@ -318,7 +321,7 @@ def test_a_hash_collision_is_never_served_from_the_prefix_cache():
     forged = [101, 102]
 
     def sequence(token_ids: list[int]) -> Sequence:
-        return Sequence(token_ids, SamplingParams(max_tokens=1), None, None, list(forged))
+        return Sequence(EngineRequest(token_ids, list(forged), SamplingParams(max_tokens=1), 1), None, None)
 
     first = sequence([1, 2, 3, 4, 5, 6, 7, 8, 9])
     bm.grow(first, len(first))
@@ -337,7 +340,7 @@ def test_a_full_prefix_cache_costs_under_300_bytes_of_python_heap_per_block():
     before = tracemalloc.get_traced_memory()[0]
     for n in range(bm.num_blocks // 4):
         tokens = list(range(n * 64 + 1000, n * 64 + 1064))  # four full blocks
-        seq = Sequence(tokens, SamplingParams(max_tokens=1), None, None, block_hash_chain(tokens, 16))
+        seq = Sequence(EngineRequest(tokens, block_hash_chain(tokens, 16), SamplingParams(max_tokens=1), 1), None, None)
         bm.grow(seq, len(seq))
         seq.num_computed_tokens = len(seq)
         bm.commit(seq)

@@ -8,13 +8,15 @@ import json
 import anyio
 import httpx
 import pytest
-from support import free_port, wait_healthy, wait_until
+from support import FailingSampler, free_port, wait_healthy, wait_until
 
 from atom_anyio.api.app import AtomApp
 from atom_anyio.cli import serve
 from atom_anyio.config import Config
 from atom_anyio.engine.config import EngineConfig
 from atom_anyio.engine.loop import Engine
+from atom_anyio.engine.request import EngineRequest
+from atom_anyio.engine.sampler import Sampler
 from atom_anyio.sampling_params import SamplingParams
 
 CHAT = {"messages": [{"role": "user", "content": "Tell me a story."}], "temperature": 0}
@@ -32,12 +34,14 @@ async def test_failed_step_ends_its_batch_with_an_error_and_the_next_request_suc
     ids = tiny_model.tokenizer("a failing prompt")["input_ids"]
     async with anyio.create_task_group() as tg:
         await tg.start(engine.run)
-        engine.worker.failpoint = RuntimeError("injected kernel error")
-        async with engine.submit(ids, SamplingParams(max_tokens=4)) as stream:
+        engine.worker.sampler = FailingSampler(RuntimeError("injected kernel error"))
+        async with engine.submit(EngineRequest.of_tokens(ids, SamplingParams(max_tokens=4), engine)) as stream:
             deltas = [d async for d in stream]
         assert deltas[-1].finish_reason == "error" and "injected kernel error" in deltas[-1].error
-        engine.worker.failpoint = None
-        async with engine.submit(ids, SamplingParams(max_tokens=4, ignore_eos=True)) as stream:
+        engine.worker.sampler = Sampler()
+        async with engine.submit(
+            EngineRequest.of_tokens(ids, SamplingParams(max_tokens=4, ignore_eos=True), engine)
+        ) as stream:
             deltas = [d async for d in stream]
         assert deltas[-1].finish_reason == "length" and sum(len(d.token_ids) for d in deltas) == 4
         assert engine.is_running and engine.block_manager.num_free_blocks == free
@@ -47,17 +51,17 @@ async def test_failed_step_ends_its_batch_with_an_error_and_the_next_request_suc
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_repeated_step_failures_mark_the_server_unhealthy(tiny_model):
-    atom = AtomApp(Config(kv_cache_gib=0.05), loaded=tiny_model)
-    async with atom.server.serving():
+    atom = AtomApp(Config.of(kv_cache_gib=0.05), loaded=tiny_model)
+    async with atom.serving():
         client = atom.quart.test_client()
         assert (await client.get("/health")).status_code == 200
-        atom.server.engine.worker.failpoint = RuntimeError("injected step failure")
-        for _ in range(atom.server.engine.cfg.max_consecutive_step_failures):
+        atom.runtime.engine.worker.sampler = FailingSampler(RuntimeError("injected step failure"))
+        for _ in range(atom.runtime.engine.cfg.max_consecutive_step_failures):
             r = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 4})
             assert r.status_code in (500, 503)
             body = await r.get_json()
             assert set(body["error"]) == {"message", "type", "param", "code"}
-        await wait_until(lambda: not atom.server.engine.is_running)
+        await wait_until(lambda: not atom.runtime.engine.is_running)
         health = await client.get("/health")
         assert health.status_code == 503 and "consecutive" in (await health.get_json())["error"]
         r = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 4})
@@ -67,9 +71,9 @@ async def test_repeated_step_failures_mark_the_server_unhealthy(tiny_model):
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_an_engine_crash_ends_in_flight_streams_with_an_error_event(tiny_model):
-    atom = AtomApp(Config(kv_cache_gib=0.05), loaded=tiny_model)
-    async with atom.server.serving():
-        engine = atom.server.engine
+    atom = AtomApp(Config.of(kv_cache_gib=0.05), loaded=tiny_model)
+    async with atom.serving():
+        engine = atom.runtime.engine
         client = atom.quart.test_client()
         result: dict = {}
 
@@ -83,7 +87,7 @@ async def test_an_engine_crash_ends_in_flight_streams_with_an_error_event(tiny_m
             tg.start_soon(stream_request)
             await wait_until(lambda: engine.scheduler.running and engine.scheduler.running[0].num_output_tokens > 2)
             engine.cfg = dataclasses.replace(engine.cfg, max_consecutive_step_failures=1)
-            engine.worker.failpoint = RuntimeError("device lost")
+            engine.worker.sampler = FailingSampler(RuntimeError("device lost"))
         assert result["status"] == 200
         events = [e[len("data: ") :] for e in result["body"].split("\n\n") if e]
         assert "[DONE]" not in events
@@ -95,28 +99,29 @@ async def test_an_engine_crash_ends_in_flight_streams_with_an_error_event(tiny_m
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_shutdown_stops_admitting_and_drains_in_flight_requests(tiny_model):
-    atom = AtomApp(Config(kv_cache_gib=0.05, drain_timeout_s=60), loaded=tiny_model)
-    client = atom.quart.test_client()
+    atom = AtomApp(Config.of(kv_cache_gib=0.05, drain_timeout_s=60), loaded=tiny_model)
     stop = anyio.Event()
     results: dict = {}
 
     async def run_server(*, task_status) -> None:
-        async with atom.server.serving():
+        async with atom.serving():
             task_status.started()
             await stop.wait()
 
     async def long_request() -> None:
-        r = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 40, "ignore_eos": True})
+        r = await atom.quart.test_client().post(
+            "/v1/chat/completions", json={**CHAT, "max_tokens": 40, "ignore_eos": True}
+        )
         results["long"] = (r.status_code, await r.get_json())
 
     async with anyio.create_task_group() as tg:
         await tg.start(run_server)
         tg.start_soon(long_request)
-        engine = atom.server.engine
+        engine = atom.runtime.engine
         await wait_until(lambda: engine.scheduler.running and engine.scheduler.running[0].num_output_tokens > 0)
         stop.set()
-        await wait_until(lambda: not atom.server.is_admitting)
-        refused = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2})
+        await wait_until(lambda: not atom.runtime.is_admitting)
+        refused = await atom.quart.test_client().post("/v1/chat/completions", json={**CHAT, "max_tokens": 2})
         assert refused.status_code == 503 and refused.headers["Retry-After"]
         assert (await refused.get_json())["error"]["code"] == "shutting_down"
     status, body = results["long"]
@@ -128,7 +133,7 @@ async def test_shutdown_stops_admitting_and_drains_in_flight_requests(tiny_model
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_serve_exits_non_zero_when_the_engine_crashes(tiny_model):
     port = free_port()
-    atom = AtomApp(Config(kv_cache_gib=0.05, port=port), loaded=tiny_model)
+    atom = AtomApp(Config.of(kv_cache_gib=0.05, port=port), loaded=tiny_model)
     code: list[int] = []
 
     async def run() -> None:
@@ -139,7 +144,7 @@ async def test_serve_exits_non_zero_when_the_engine_crashes(tiny_model):
         base_url = f"http://127.0.0.1:{port}"
         await wait_healthy(base_url)
         async with httpx.AsyncClient(base_url=base_url) as http:
-            atom.server.engine.worker.failpoint = RuntimeError("injected")
-            for _ in range(atom.server.engine.cfg.max_consecutive_step_failures):
+            atom.runtime.engine.worker.sampler = FailingSampler(RuntimeError("injected"))
+            for _ in range(atom.runtime.engine.cfg.max_consecutive_step_failures):
                 await http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2})
     assert code == [1]

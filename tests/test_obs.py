@@ -124,7 +124,7 @@ async def test_metrics_have_the_documented_names_types_and_label_sets(atom):
                 assert set(s.labels) - {"le"} == labels, (s.name, s.labels)
                 if kind == "counter":
                     assert s.name == name
-    assert all(name.startswith("atom_") for name in types)
+    assert all(name.startswith(("atom_", "vllm:")) for name in types)
     assert value(text, "atom_requests_total", endpoint="chat", outcome="ok") == 2
     assert value(text, "atom_requests_total", endpoint="completions", outcome="ok") == 1
     assert value(text, "atom_generation_tokens_total") == 4 + 4 + 3
@@ -133,6 +133,64 @@ async def test_metrics_have_the_documented_names_types_and_label_sets(atom):
     assert value(text, "atom_request_generation_tokens_bucket", le="1.0") == 0
     assert value(text, "atom_request_generation_tokens_bucket", le="8.0") == 3
     assert value(text, "atom_requests_running") == 0
+
+
+VLLM_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0]
+VLLM_ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0]
+
+
+def buckets(text: str, name: str) -> list[float]:
+    return [float(s.labels["le"]) for s in samples(text)[name] if s.name == f"{name}_bucket"]
+
+
+async def test_vllm_metrics_count_the_served_requests_under_vllms_names_and_labels(atom):
+    client = atom.quart.test_client()
+    labels = {"model_name": atom.runtime.model_name, "engine": "0"}
+
+    def v(text: str, name: str, **extra: str) -> float:
+        return value(text, name, **labels, **extra)
+
+    before = await scrape(client)
+    body = chat(6, ignore_eos=True, messages=[{"role": "user", "content": "Tell me about rivers. " * 20}])
+    first = await (await client.post("/v1/chat/completions", json=body)).get_json()
+    second = await (await client.post("/v1/chat/completions", json=body)).get_json()
+    after = await scrape(client)
+    usage = second["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= 16  # the resent prompt hit the prefix cache
+
+    def increase(name: str) -> float:
+        return v(after, name) - v(before, name)
+
+    assert increase("vllm:prefix_cache_queries_total") == first["usage"]["prompt_tokens"] + usage["prompt_tokens"]
+    assert increase("vllm:prefix_cache_hits_total") == usage["prompt_tokens_details"]["cached_tokens"]
+    assert increase("vllm:generation_tokens_total") == 12
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_time_per_output_token_seconds"):
+        assert increase(f"vllm:{name}_count") == 2
+    assert increase("vllm:inter_token_latency_seconds_count") == 10
+    assert buckets(after, "vllm:time_to_first_token_seconds")[: len(VLLM_TTFT_BUCKETS)] == VLLM_TTFT_BUCKETS
+    assert buckets(after, "vllm:inter_token_latency_seconds")[: len(VLLM_ITL_BUCKETS)] == VLLM_ITL_BUCKETS
+    assert v(after, "vllm:kv_cache_usage_perc") == value(after, "atom_kv_cache_usage_ratio")
+    for family in text_string_to_metric_families(after):
+        if family.name.startswith("vllm:"):
+            assert {tuple(sorted(set(s.labels) - {"le"})) for s in family.samples} == {("engine", "model_name")}
+
+
+async def test_vllm_request_gauges_show_a_running_and_a_waiting_request(tiny_model):
+    async with serving_app(tiny_model, max_model_len=2048, kv_cache_gib=0.05, max_num_seqs=1) as atom:
+        client, engine = atom.quart.test_client(), atom.runtime.engine
+        labels = {"model_name": atom.runtime.model_name, "engine": "0"}
+
+        async def stream() -> None:
+            await client.post("/v1/chat/completions", json=chat(400, ignore_eos=True, stream=True))
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(2):
+                tg.start_soon(stream)
+            await wait_until(lambda: engine.scheduler.running and engine.num_waiting_seqs == 1)
+            during = await scrape(client)
+            tg.cancel_scope.cancel()
+        assert value(during, "vllm:num_requests_running", **labels) == 1
+        assert value(during, "vllm:num_requests_waiting", **labels) == 1
 
 
 async def test_no_series_is_labelled_per_request_without_the_opt_in(tiny_model, monkeypatch):
@@ -150,7 +208,7 @@ async def test_opt_in_per_request_gauge_lives_exactly_as_long_as_its_request(tin
     monkeypatch.setenv("ATOM_METRICS_PER_REQUEST", "1")
     async with serving(tiny_model) as atom:
         client = atom.quart.test_client()
-        engine = atom.server.engine
+        engine = atom.runtime.engine
         result: dict[str, Any] = {}
 
         async def long_stream() -> None:
@@ -250,7 +308,7 @@ def log_stream():
 
 async def test_every_server_log_line_is_json_with_the_documented_keys(tiny_model, log_stream, tmp_path):
     port = free_port()
-    atom = AtomApp(Config(kv_cache_gib=0.05, port=port), loaded=tiny_model)
+    atom = AtomApp(Config.of(kv_cache_gib=0.05, port=port), loaded=tiny_model)
     async with anyio.create_task_group() as tg:
         tg.start_soon(serve, atom)
         await wait_healthy(f"http://127.0.0.1:{port}")
@@ -295,12 +353,12 @@ async def test_every_server_log_line_is_json_with_the_documented_keys(tiny_model
 
 
 async def test_every_request_writes_one_finished_line_with_a_bounded_endpoint_label(tiny_model, log_stream):
-    config = Config(max_model_len=2048, kv_cache_gib=0.05, api_key="k", max_body_bytes=65536)
+    config = Config.of(max_model_len=2048, kv_cache_gib=0.05, api_key="k", max_body_bytes=65536)
     auth = {"Authorization": "Bearer k"}
     as_json = {"Content-Type": "application/json"}
     long_chat = {"messages": [{"role": "user", "content": "river " * 3000}], "max_tokens": 2}
     atom = AtomApp(config, loaded=tiny_model)
-    async with atom.server.serving():
+    async with atom.serving():
         client = atom.quart.test_client()
 
         async def call(rid: str, method: str, path: str, headers: dict | None = None, **kw: Any) -> int:

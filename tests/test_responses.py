@@ -14,11 +14,12 @@ from typing import Any
 
 import openai
 import pytest
-from support import scripted, served_over_http
+from support import FailingSampler, scripted, served_over_http
 
 from atom_anyio.api.app import AtomApp
 from atom_anyio.api.response_store import ResponseStore, StoredResponse
 from atom_anyio.config import Config
+from atom_anyio.engine.sampler import Sampler
 from atom_anyio.templates import template_path
 
 pytestmark = pytest.mark.anyio
@@ -44,8 +45,8 @@ def anyio_backend() -> str:
 
 
 async def serving(tiny_model, **config: Any):
-    atom = AtomApp(Config(**{"max_model_len": MAX_MODEL_LEN, "kv_cache_gib": 0.05, **config}), loaded=tiny_model)
-    async with atom.server.serving():
+    atom = AtomApp(Config.of(**{"max_model_len": MAX_MODEL_LEN, "kv_cache_gib": 0.05, **config}), loaded=tiny_model)
+    async with atom.serving():
         yield atom
 
 
@@ -134,7 +135,7 @@ def tool_call_text(name: str, arguments: dict[str, Any]) -> str:
 
 
 def store_of(atom: AtomApp) -> ResponseStore:
-    return atom.quart.blueprints["openai_responses"].store
+    return atom.runtime.responses_store
 
 
 # shape and fields
@@ -151,7 +152,7 @@ async def test_string_input_returns_a_response_with_one_message_and_usage(client
     data = await post(client, body)
     assert data["id"].startswith("resp_") and data["object"] == "response"
     assert data["status"] in ("completed", "incomplete") and data["error"] is None
-    assert data["model"] == atom.server.model_name
+    assert data["model"] == atom.runtime.model_name
     [message] = data["output"]
     assert message["type"] == "message" and message["role"] == "assistant" and message["id"].startswith("msg_")
     [part] = message["content"]
@@ -338,12 +339,12 @@ async def test_stream_stopped_by_max_output_tokens_ends_with_response_incomplete
 
 
 async def test_engine_failure_mid_stream_ends_with_an_error_event(client, atom):
-    atom.server.engine.worker.failpoint = RuntimeError("injected device error")
+    atom.runtime.engine.worker.sampler = FailingSampler(RuntimeError("injected device error"))
     try:
         events = await stream_events(client, {"input": "Hi.", "max_output_tokens": 4})
         plain = await client.post("/v1/responses", json={"input": "Hi.", "max_output_tokens": 4})
     finally:
-        atom.server.engine.worker.failpoint = None
+        atom.runtime.engine.worker.sampler = Sampler()
     assert [e["type"] for e in events] == ["response.created", "response.in_progress", "error", "response.failed"]
     assert "injected device error" in events[2]["message"] and events[2]["code"] == "engine_error"
     assert events[3]["response"]["status"] == "failed"
@@ -491,7 +492,7 @@ def test_store_stays_within_max_items_and_drops_expired_entries_from_the_front()
 async def sdk(tiny_model):
     """The official AsyncOpenAI client against real hypercorn serving the app on a free port."""
     atom = AtomApp(
-        Config(max_model_len=MAX_MODEL_LEN, kv_cache_gib=0.05, chat_template=QWEN3_TEMPLATE), loaded=tiny_model
+        Config.of(max_model_len=MAX_MODEL_LEN, kv_cache_gib=0.05, chat_template=QWEN3_TEMPLATE), loaded=tiny_model
     )
     # graceful at exit: hypercorn closes, the lifespan drains and stops the engine
     async with (
@@ -503,7 +504,7 @@ async def sdk(tiny_model):
 
 async def test_sdk_create_retrieve_chain_and_delete(sdk):
     atom, client = sdk
-    model, no_thinking = atom.server.model_name, {"effort": "none"}
+    model, no_thinking = atom.runtime.model_name, {"effort": "none"}
     with scripted(atom, ANSWER):
         first = await client.responses.create(
             model=model, input="Weather in Paris?", instructions="Be brief.", reasoning=no_thinking
@@ -514,7 +515,7 @@ async def test_sdk_create_retrieve_chain_and_delete(sdk):
     assert first.status == "completed" and first.output_text == ANSWER
     assert (
         first.usage.input_tokens > 0
-        and first.usage.output_tokens == len(atom.server.loaded.tokenizer.encode(ANSWER)) + 1
+        and first.usage.output_tokens == len(atom.runtime.loaded.tokenizer.encode(ANSWER)) + 1
     )
     assert second.previous_response_id == first.id and second.output_text == ANSWER
     assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
@@ -529,7 +530,7 @@ async def test_sdk_create_retrieve_chain_and_delete(sdk):
 
 async def test_sdk_stream_events_final_response_and_a_tool_round_trip(sdk):
     atom, client = sdk
-    model, tools = atom.server.model_name, [WEATHER_TOOL]
+    model, tools = atom.runtime.model_name, [WEATHER_TOOL]
     with scripted(atom, f"{THOUGHT}\n</think>\n\n{tool_call_text('get_weather', CALL_ARGS)}"):
         async with client.responses.stream(model=model, input="Weather in Paris?", tools=tools) as stream:
             events = [event async for event in stream]
@@ -557,7 +558,12 @@ async def test_sdk_stream_events_final_response_and_a_tool_round_trip(sdk):
 
 async def test_sdk_max_output_tokens_gives_an_incomplete_response(sdk):
     atom, client = sdk
-    body = {"model": atom.server.model_name, "input": "Count.", "max_output_tokens": 3, "reasoning": {"effort": "none"}}
+    body = {
+        "model": atom.runtime.model_name,
+        "input": "Count.",
+        "max_output_tokens": 3,
+        "reasoning": {"effort": "none"},
+    }
     with scripted(atom, COUNT):
         plain = await client.responses.create(**body)
         async with client.responses.stream(**body) as stream:

@@ -24,6 +24,7 @@ from atom_anyio.config import Config
 from atom_anyio.engine.config import EngineConfig
 from atom_anyio.engine.grammar import Constraint, Grammars
 from atom_anyio.engine.loop import Engine
+from atom_anyio.engine.request import EngineRequest
 from atom_anyio.parse.tool_calls import ToolParser
 from atom_anyio.parse.tool_grammar import forced_tool_calls_tag
 from atom_anyio.sampling_params import SamplingParams, StructuredOutputs
@@ -297,7 +298,7 @@ async def test_responses_and_messages_refuse_in_their_own_shapes(qwen):
     assert "dependentRequired" in out["error"]["message"]
     tool = {"name": "f", "input_schema": {"type": "object", "properties": {"a": {"not": {}}}}}
     body = {
-        "model": qwen.server.model_name,
+        "model": qwen.runtime.model_name,
         "max_tokens": 8,
         "messages": USER,
         "tools": [tool],
@@ -323,11 +324,11 @@ async def test_compile_over_the_time_bound_is_a_400(tiny_model):
     assert out["error"]["param"] == "guided_json" and "exceeded" in out["error"]["message"]
 
 
-async def test_forcing_a_tool_without_a_tool_call_format_is_a_400(atom):
+async def test_forcing_a_tool_without_a_tool_call_format_is_a_400(tiny_model):
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    status, out = await post(
-        atom, "/v1/chat/completions", {"messages": USER, "tools": [tool], "tool_choice": "required"}
-    )
+    body = {"messages": USER, "tools": [tool], "tool_choice": "required"}
+    async with serve(tiny_model, tool_call_parser="none") as atom:
+        status, out = await post(atom, "/v1/chat/completions", body)
     assert status == 400 and out["error"]["param"] == "tool_choice"
 
 
@@ -389,7 +390,7 @@ async def test_responses_and_messages_force_tool_calls(qwen):
     jsonschema.validate(json.loads(calls[0]["arguments"]), WEATHER)
     anthropic_tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS]
     body = {
-        "model": qwen.server.model_name,
+        "model": qwen.runtime.model_name,
         "max_tokens": 400,
         "messages": USER,
         "tools": anthropic_tools,
@@ -452,7 +453,7 @@ async def generate(engine: Engine, items: list[tuple[list[int], SamplingParams, 
 
     async def one(i: int, ids, params, constraint) -> None:
         text, finish = "", None
-        async with engine.submit(ids, params, constraint=constraint) as stream:
+        async with engine.submit(EngineRequest.of_tokens(ids, params, engine, constraint)) as stream:
             async for d in stream:
                 text, finish = text + d.text, d.finish_reason or finish
         results[i] = (text, finish)
@@ -516,12 +517,12 @@ class Palette(pydantic.BaseModel):
 
 
 async def test_sdk_parse_returns_instances_of_the_pydantic_model(tiny_model):
-    atom = AtomApp(Config(kv_cache_gib=0.05, max_model_len=4096), loaded=tiny_model)
+    atom = AtomApp(Config.of(kv_cache_gib=0.05, max_model_len=4096), loaded=tiny_model)
     async with (
         served_over_http(atom) as base_url,
         openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0) as client,
     ):
-        model = atom.server.model_name
+        model = atom.runtime.model_name
         completion = await client.chat.completions.parse(
             model=model, messages=USER, response_format=Palette, temperature=1.0, seed=5, max_tokens=MAX_TOKENS
         )

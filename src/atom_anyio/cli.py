@@ -3,16 +3,24 @@
 from __future__ import annotations
 
 import argparse
-import json
+import dataclasses
 import sys
 
 from atom_anyio.obs import logs_cli
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from atom_anyio import LLM, SamplingParams
+    import os
 
-    llm = LLM(args.model, dtype=args.dtype)
+    from atom_anyio import LLM, SamplingParams
+    from atom_anyio.settings import ConfigError
+
+    if args.model is not None and not os.path.exists(args.model):
+        raise ConfigError(f"model: no such file or directory: {args.model}")
+    try:
+        llm = LLM(args.model, dtype=args.dtype)
+    except (ValueError, FileNotFoundError) as exc:  # a model it cannot serve: one line
+        raise ConfigError(f"model {args.model or '(default)'}: {exc}") from None
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed, n=args.n
     )
@@ -27,50 +35,17 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-SERVE_FLAGS = {
-    "model": str,
-    "dtype": str,
-    "device": str,
-    "attention_backend": str,
-    "served_model_name": str,
-    "max_model_len": int,
-    "max_num_seqs": int,
-    "max_num_batched_tokens": int,
-    "kv_cache_gib": float,
-    "num_threads": int,
-    "api_key": str,
-    "host": str,
-    "port": int,
-    "chat_template": str,
-    "default_chat_template_kwargs": json.loads,
-    "context_overflow": str,
-    "reasoning_parser": str,
-    "tool_call_parser": str,
-    "log_format": str,
-    "log_level": str,
-    "max_body_bytes": int,
-    "drain_timeout_s": float,
-    "grammar_compile_timeout_s": float,
-    "max_waiting_seqs": int,
-    "max_waiting_tokens": int,
-    "retry_after_s": int,
-    "max_pending_deltas": int,
-    "cors_allow_origins": str,
-    "body_timeout_s": float,
-    "keep_alive_timeout_s": float,
-    "malloc_arena_max": int,
-}
-
-
 def _serve(args: argparse.Namespace) -> int:
     import asyncio
 
-    from atom_anyio.api.app import AtomApp
-    from atom_anyio.config import Config
+    from atom_anyio.config import Config, all_settings
     from atom_anyio.obs.logging import configure_logging
+    from atom_anyio.settings import setting_name
 
-    config = Config.from_env(**{name: getattr(args, name) for name in SERVE_FLAGS})
+    config = Config.from_env(**{setting_name(f): getattr(args, setting_name(f)) for _, f in all_settings()})
     configure_logging(config.log_format, config.log_level)
+    from atom_anyio.api.app import AtomApp
+
     return asyncio.run(serve(AtomApp(config)))
 
 
@@ -80,35 +55,39 @@ async def serve(app) -> int:
     import signal
 
     import anyio
+    import structlog
     from hypercorn.asyncio import serve as hypercorn_serve
     from hypercorn.config import Config as HypercornConfig
 
     from atom_anyio.obs.logging import ACCESS_LOG_FORMAT, ACCESS_LOGGER
 
-    cfg = app.server.config
+    log = structlog.get_logger("atom_anyio.server")
+    crashed = anyio.Event()
+    app.on_engine_crash = crashed.set
+    config = app.config
     hc = HypercornConfig()
-    hc.bind = [f"{cfg.host}:{cfg.port}"]
-    hc.graceful_timeout = cfg.drain_timeout_s
+    hc.bind = [f"{config.host}:{config.port}"]
+    hc.graceful_timeout = config.drain_timeout_s
     # no read_timeout: hypercorn applies it to every socket read, so it would cut off any generation
     # longer than it; the keep-alive timer covers idle and half-sent heads, BODY_TIMEOUT slow bodies
-    hc.keep_alive_timeout = cfg.keep_alive_timeout_s
+    hc.keep_alive_timeout = config.keep_alive_timeout_s
     hc.accesslog = logging.getLogger(ACCESS_LOGGER)  # loggers, not "-": through the root handler's JSON
     hc.errorlog = logging.getLogger("hypercorn.error")
     hc.access_log_format = ACCESS_LOG_FORMAT
-    crashed = False
 
     async def shutdown_trigger() -> None:
         async def on_signal() -> None:
             with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                async for _ in signals:
+                async for signum in signals:
+                    log.info("server.signal", signal=signal.Signals(signum).name)
                     break
-            await app.server.drain()  # 503 to new requests while the listener stays open
+            if app.is_serving:
+                await app.runtime.drain()  # 503 to new requests while the listener stays open
             tg.cancel_scope.cancel()
 
         async def on_crash() -> None:
-            nonlocal crashed
-            await app.server.stop_on_crash()
-            crashed = True
+            await crashed.wait()
+            log.error("server.engine_crashed")
             tg.cancel_scope.cancel()
 
         async with anyio.create_task_group() as tg:
@@ -116,7 +95,9 @@ async def serve(app) -> int:
             tg.start_soon(on_crash)
 
     await hypercorn_serve(app, hc, shutdown_trigger=shutdown_trigger)
-    return 1 if crashed else 0
+    code = 1 if crashed.is_set() else 0
+    log.info("server.exit", code=code)
+    return code
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -125,28 +106,56 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="complete prompts offline with the engine")
     gen.add_argument("--model", default=None, help="HF directory or GGUF file (default: SmolLM2-135M-Instruct)")
-    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
     gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--temperature", type=float, default=0.0, help="default 0: greedy, repeatable")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("-n", type=int, default=1)
     gen.set_defaults(func=_generate)
 
-    srv = sub.add_parser("serve", help="serve the OpenAI API (flags override ATOM_* variables)")
-    for name, kind in SERVE_FLAGS.items():
-        srv.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None)
+    srv = sub.add_parser(
+        "serve",
+        help="serve the OpenAI and Anthropic APIs",
+        description="Serve the OpenAI and Anthropic APIs. Each flag overrides its ATOM_* variable.",
+    )
+    add_setting_flags(srv)
     srv.set_defaults(func=_serve)
 
     logs_cli.add_parser(sub)
     return ap
 
 
+def add_setting_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per setting, with its help, default and variable (``config.all_settings``)."""
+    from atom_anyio.config import all_settings
+    from atom_anyio.settings import parser_of, setting_name
+
+    for owner, f in all_settings():
+        name = setting_name(f)
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        shown = "" if name == "api_key" else f"; default {default!r}"
+        parser.add_argument(
+            f"--{name.replace('_', '-')}",
+            dest=name,
+            type=parser_of(owner, f),
+            default=None,
+            metavar=name.upper(),
+            help=f"{f.metadata['help']} (ATOM_{name.upper()}{shown})",
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    from atom_anyio.settings import ConfigError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        parser.exit(2, f"atom-anyio {args.command}: error: {exc}\n")
 
 
 if __name__ == "__main__":

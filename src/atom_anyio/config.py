@@ -1,108 +1,119 @@
-"""The server's one frozen configuration, from ``ATOM_*`` variables or flags."""
+"""The server's one frozen configuration: its own settings, and the engine's nested in it.
+
+Every setting is an ``ATOM_<NAME>`` variable and a ``serve --<name>`` flag (``settings.py``);
+variables are read here and nowhere else. A bad value is a ``ConfigError`` naming it.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-from dataclasses import dataclass, field, fields
-from functools import cached_property
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from atom_anyio.engine.attention import BACKENDS
 from atom_anyio.engine.config import EngineConfig
 from atom_anyio.models.loader import DTYPES
 from atom_anyio.parse import ParserSpec
+from atom_anyio.settings import ConfigError, parse_setting, setting, setting_name, settings_of
+
+LOG_FORMATS = ("json", "console", "auto")
+CONTEXT_OVERFLOW = ("error", "drop_oldest")
 
 
 @dataclass(frozen=True)
 class Config:
-    model: str | None = None  # HF dir or GGUF file; None: SmolLM2-135M-Instruct
-    dtype: str = "auto"  # float32, bfloat16, or auto: the fastest faithful one for the device
-    device: str = "cpu"
-    attention_backend: str = "auto"  # auto, cpu (the C++ kernel), torch (the portable path)
-    served_model_name: str | None = None  # default: the model's name
-    max_model_len: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    kv_cache_gib: float = 2.0
-    block_size: int = 16
-    num_threads: int | None = None  # torch threads on CPU; default every core
-    api_key: str | None = field(default=None, repr=False)
-    host: str = "127.0.0.1"
-    port: int = 8000
-    chat_template: str | None = None  # a file path or the template itself
-    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    context_overflow: str = "error"  # or "drop_oldest"
-    reasoning_parser: str = "auto"  # auto (from the chat template), none, or a name in parse.reasoning
-    tool_call_parser: str = "auto"  # auto (from the chat template), none, hermes, qwen3_coder, llama3_json, mistral
-    log_format: str = "auto"  # json, console, auto (console on a TTY)
-    log_level: str = "info"
-    max_body_bytes: int = 32 * 2**20
-    drain_timeout_s: float = 30.0
-    max_waiting_seqs: int = 256  # sequences admitted and not yet running; past it new requests get 503
-    max_waiting_tokens: int = 262_144  # their prompt tokens; past it too
-    retry_after_s: int = 1  # the Retry-After of an overloaded 503 / 529
-    max_pending_deltas: int = 64  # unread deltas per request; past it a slow reader's deltas are merged
-    cors_allow_origins: str = ""  # comma-separated origins ("*" for any); empty: CORS off
-    body_timeout_s: float = 60.0  # a request body not complete by then is refused (408)
-    keep_alive_timeout_s: float = 5.0  # atom-anyio serve: an idle connection (or half-sent head) is closed
-    segment_cache_tokens: int = 4_000_000
-    prepare_threads: int = 4
-    malloc_arena_max: int = 2  # glibc malloc arenas (MALLOC_ARENA_MAX); 0: glibc's default of 8 per core
-    grammar_compile_timeout_s: float = 10.0  # a structured-output grammar that takes longer is a 400
-    responses_store_max_items: int = 1000  # stored Responses, least recently used out first
-    responses_store_ttl_s: float = 3600.0  # a stored Response expires this long after its last use
+    model: str | None = setting(None, "Hugging Face directory or GGUF file (default: SmolLM2-135M-Instruct)")
+    dtype: str = setting("auto", f"one of {', '.join(DTYPES)}; auto: the fastest faithful one for the device")
+    device: str = setting("cpu", "cpu, cuda, cuda:N")
+    attention_backend: str = setting("auto", f"one of {', '.join(BACKENDS)} (docs/engine.md)")
+    served_model_name: str | None = setting(None, "the model id clients send (default: from the model's name)")
+    api_key: str | None = setting(None, "require this key (Authorization: Bearer, or x-api-key)", repr=False)
+    host: str = setting("127.0.0.1", "address to listen on (atom-anyio serve)")
+    port: int = setting(8000, "port to listen on (atom-anyio serve)")
+    chat_template: str | None = setting(None, "a chat template file or the template itself (default: the model's)")
+    default_chat_template_kwargs: dict[str, Any] = setting({}, "JSON object of template variables for every request")
+    context_overflow: str = setting("error", "a chat over the context: error, or drop_oldest messages")
+    reasoning_parser: str = setting("auto", "auto (from the chat template), none, or a parser name")
+    tool_call_parser: str = setting("auto", "auto (from the chat template), none, hermes, qwen3_coder, ...")
+    log_format: str = setting("auto", "json, console, or auto (console on a TTY)")
+    log_level: str = setting("info", "debug, info, warning, error")
+    max_body_bytes: int = setting(32 * 2**20, "largest request body accepted (413 past it)")
+    drain_timeout_s: float = setting(30.0, "on SIGTERM: how long in-flight requests may take to finish")
+    max_waiting_seqs: int = setting(256, "sequences admitted and not yet running; past it new requests get 503")
+    max_waiting_tokens: int = setting(262_144, "prompt tokens of the waiting sequences; past it too")
+    retry_after_s: int = setting(1, "the Retry-After of an overloaded 503 / 529")
+    cors_allow_origins: str = setting("", "comma-separated CORS origins (* for any); empty: CORS off")
+    body_timeout_s: float = setting(60.0, "a request body not complete by then is refused (408)")
+    keep_alive_timeout_s: float = setting(5.0, "an idle connection (or half-sent head) is closed after it")
+    segment_cache_tokens: int = setting(4_000_000, "tokens the prompt segment cache keeps")
+    prepare_threads: int = setting(4, "worker threads for preparing prompts (render, tokenize, grammars)")
+    malloc_arena_max: int = setting(2, "glibc malloc arenas; 0: glibc's default of 8 per core")
+    grammar_compile_timeout_s: float = setting(10.0, "a structured-output grammar that takes longer is a 400")
+    responses_store_max_items: int = setting(1000, "stored Responses, least recently used out first")
+    responses_store_ttl_s: float = setting(3600.0, "a stored Response expires this long after its last use")
+    engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
-        if self.context_overflow not in ("error", "drop_oldest"):
-            raise ValueError("context_overflow must be 'error' or 'drop_oldest'")
-        if self.attention_backend not in BACKENDS:
-            raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}")
-        if self.log_format not in ("json", "console", "auto"):
-            raise ValueError("log_format must be json, console or auto")
-        if min(self.max_waiting_seqs, self.max_waiting_tokens, self.max_pending_deltas) < 1:
-            raise ValueError("max_waiting_seqs, max_waiting_tokens and max_pending_deltas must be at least 1")
-        ParserSpec.detect(None, reasoning_parser=self.reasoning_parser, tool_call_parser=self.tool_call_parser)
+        _one_of("context_overflow", self.context_overflow, CONTEXT_OVERFLOW)
+        _one_of("attention_backend", self.attention_backend, BACKENDS)
+        _one_of("dtype", self.dtype, DTYPES)
+        _one_of("log_format", self.log_format, LOG_FORMATS)
+        if min(self.max_waiting_seqs, self.max_waiting_tokens, self.prepare_threads) < 1:
+            raise ConfigError("max_waiting_seqs, max_waiting_tokens and prepare_threads must be at least 1")
+        if self.model is not None and not os.path.exists(self.model):
+            raise ConfigError(f"model: no such file or directory: {self.model}")
+        try:
+            ParserSpec.detect(None, reasoning_parser=self.reasoning_parser, tool_call_parser=self.tool_call_parser)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> Config:
-        """``ATOM_<FIELD>`` variables, then ``overrides`` (flags) on top."""
+    def of(cls, **settings: Any) -> Config:
+        """From settings by their names (the server's and the engine's alike; the variable and flag
+        names), nothing from the environment. A string for a setting with its own parser is parsed."""
+        fields = {setting_name(f): (owner, f) for owner, f in all_settings()}
+        if unknown := settings.keys() - fields.keys():
+            raise ConfigError(f"unknown setting(s): {', '.join(sorted(unknown))}")
+        values: dict[type, dict[str, Any]] = {cls: {}, EngineConfig: {}}
+        for name, value in settings.items():
+            owner, f = fields[name]
+            if isinstance(value, str) and f.metadata.get("parse"):
+                value = parse_setting(owner, f, value, name)
+            values[owner][f.name] = value
+        try:
+            return cls(**values[cls], engine=EngineConfig(**values[EngineConfig]))
+        except ConfigError:
+            raise
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(str(exc)) from None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Config:
+        """``ATOM_<NAME>`` variables, then ``overrides`` (flags, by setting name; None: not given) on top."""
         env = os.environ if environ is None else environ
         values: dict[str, Any] = {}
-        for f in fields(cls):
-            raw = env.get(f"ATOM_{f.name.upper()}")
+        for owner, f in all_settings():
+            name = setting_name(f)
+            raw = env.get(f"ATOM_{name.upper()}")
             if raw is not None and raw != "":
-                values[f.name] = _parse(f, raw)
+                values[name] = parse_setting(owner, f, raw, f"ATOM_{name.upper()}={raw}")
         values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)
-
-    @cached_property
-    def engine(self) -> EngineConfig:
-        return EngineConfig(
-            max_model_len=self.max_model_len,
-            block_size=self.block_size,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            kv_cache_gib=self.kv_cache_gib,
-            num_threads=self.num_threads,
-            max_pending_deltas=self.max_pending_deltas,
-        )
+        return cls.of(**values)
 
     def replace(self, **changes: Any) -> Config:
         return dataclasses.replace(self, **changes)
 
 
-def _parse(f: dataclasses.Field, raw: str) -> Any:
-    kind = str(f.type)
-    if "dict" in kind:
-        return json.loads(raw)
-    if kind.startswith("int"):
-        return int(raw)
-    if kind.startswith("float"):
-        return float(raw)
-    if kind.startswith("bool"):
-        return raw.lower() in ("1", "true", "yes", "on")
-    return raw
+def all_settings() -> Iterator[tuple[type, dataclasses.Field]]:
+    """Every setting, as (its dataclass, its field): the server's, then the engine's."""
+    for f in settings_of(Config):
+        yield Config, f
+    for f in settings_of(EngineConfig):
+        yield EngineConfig, f
+
+
+def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{name}={value!r} is not one of {', '.join(allowed)}")

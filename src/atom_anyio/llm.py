@@ -15,10 +15,10 @@ import anyio
 
 from atom_anyio.engine.config import EngineConfig
 from atom_anyio.engine.loop import Engine
-from atom_anyio.engine.sequence import Logprob
+from atom_anyio.engine.stream import Delta, Logprob, collect
 from atom_anyio.models.loader import LoadedModel, load_model
-from atom_anyio.prompt.prepare import PrepareContext, PromptRequest, prepare_prompt
-from atom_anyio.prompt.segment_cache import SegmentCache
+from atom_anyio.obs.logging import log_to_stderr_by_default
+from atom_anyio.prompt.prepare import PrepareContext, PromptRequest, engine_request, prepare_prompt
 from atom_anyio.sampling_params import SamplingParams
 
 
@@ -59,18 +59,15 @@ class LLM:
         attention_backend: str | None = None,
         **engine_kwargs: Any,
     ):
+        log_to_stderr_by_default()
         if isinstance(model, LoadedModel):
             self.loaded = model
         else:
             self.loaded = load_model(model, dtype=dtype, device=device, attention_backend=attention_backend)
         self.engine = Engine(self.loaded, EngineConfig(**engine_kwargs))
         self.tokenizer = self.loaded.tokenizer
-        self.prepare_ctx = PrepareContext(
-            tokenizer=self.tokenizer,
-            segment_cache=SegmentCache(self.tokenizer),
-            max_model_len=self.engine.max_model_len,
-            block_size=self.engine.cfg.block_size,
-            chat_template=self.loaded.chat_template,
+        self.prepare_ctx = PrepareContext.for_engine(
+            self.engine, self.tokenizer, chat_template=self.loaded.chat_template
         )
 
     def generate(
@@ -117,19 +114,18 @@ class LLM:
 
     def _run(self, requests: list[PromptRequest], params, use_tqdm: bool) -> list[RequestOutput]:
         """Prepare every prompt the way the server does (render, segment cache,
-        hashes, context rules), then run them all through the engine loop."""
-        params = params or SamplingParams()
+        hashes, context rules, validation), then run them all through the engine loop."""
+        params = params or SamplingParams(**self.loaded.generation_defaults)  # the model's, as vLLM's LLM
         per_item = list(params) if isinstance(params, Seq) else [params] * len(requests)
         if len(per_item) != len(requests):
             raise ValueError("give one SamplingParams, or one per prompt")
         items = []
         for req, sp in zip(requests, per_item, strict=True):
             prepared = prepare_prompt(dataclasses.replace(req, max_tokens=sp.max_tokens), self.prepare_ctx)
-            self.engine.check(prepared.num_prompt_tokens, sp)
-            items.append((prepared.text, prepared))
-        return anyio.run(self._generate_all, items, per_item, use_tqdm)
+            items.append((prepared.text, engine_request(prepared, sp, self.prepare_ctx)))  # PromptError: refused
+        return anyio.run(self._generate_all, items, use_tqdm)
 
-    async def _generate_all(self, items, per_item, use_tqdm: bool) -> list[RequestOutput]:
+    async def _generate_all(self, items, use_tqdm: bool) -> list[RequestOutput]:
         from tqdm.auto import tqdm
 
         results: list[RequestOutput | None] = [None] * len(items)
@@ -137,26 +133,23 @@ class LLM:
         async with anyio.create_task_group() as tg:
             await tg.start(self.engine.run)
             async with anyio.create_task_group() as requests:
-                for i, ((text, prepared), sp) in enumerate(zip(items, per_item, strict=True)):
-                    stream = self.engine.submit(prepared.token_ids, sp, block_hashes=prepared.block_hashes)
-                    requests.start_soon(self._collect, i, text, prepared.token_ids, sp, stream, results, bar)
+                for i, (text, request) in enumerate(items):
+                    requests.start_soon(self._collect, i, text, request, results, bar)
             tg.cancel_scope.cancel()
         bar.close()
         return results  # type: ignore[return-value]
 
-    @staticmethod
-    async def _collect(i, text, ids, sp, stream, results, bar) -> None:
-        outs = [CompletionOutput(index=k, logprobs=[] if sp.logprobs is not None else None) for k in range(sp.n)]
-        cached = 0
-        async with stream:
-            async for d in stream:
-                o = outs[d.index]
-                o.text += d.text
-                o.token_ids += d.token_ids
-                if d.logprobs is not None and o.logprobs is not None:
-                    o.logprobs += d.logprobs
-                if d.finish_reason is not None:
-                    o.finish_reason, o.stop_reason, o.error = d.finish_reason, d.stop_reason, d.error
-                cached = max(cached, d.num_cached_tokens)
-        results[i] = RequestOutput(prompt=text, prompt_token_ids=ids, outputs=outs, num_cached_tokens=cached)
+    async def _collect(self, i, text, request, results, bar) -> None:
+        choices = await collect(self.engine.submit(request), request.params.n, lambda d: None)
+        wants_logprobs = request.params.logprobs is not None
+        outs = [_output(k, d, wants_logprobs) for k, d in enumerate(choices)]
+        cached = max((d.num_cached_tokens for d in choices if d is not None), default=0)
+        results[i] = RequestOutput(text, request.prompt_token_ids, outs, num_cached_tokens=cached)
         bar.update(1)
+
+
+def _output(index: int, d: Delta | None, wants_logprobs: bool) -> CompletionOutput:
+    if d is None:
+        return CompletionOutput(index=index, logprobs=[] if wants_logprobs else None)
+    logprobs = (d.logprobs or []) if wants_logprobs else None
+    return CompletionOutput(index, d.text, d.token_ids, d.finish_reason, d.stop_reason, logprobs, d.error)

@@ -26,6 +26,9 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # tokens the reasoning block may take before it is closed (Anthropic's thinking.budget_tokens);
+    # honoured where the prompt leaves a reasoning block open
+    reasoning_budget: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -10,79 +10,69 @@ from typing import Any
 from quart import Blueprint
 
 from atom_anyio.api.anthropic_schemas import MessagesInput, MessagesRequest
-from atom_anyio.api.common import EngineFailed, Usage, new_id, parse_body, raise_on_error, sse, sse_response
 from atom_anyio.api.errors import APIError
-from atom_anyio.api.server import Server
-from atom_anyio.engine.sequence import Delta
-from atom_anyio.engine.stream import DeltaStream
+from atom_anyio.api.generation import Deltas
+from atom_anyio.api.http import new_id, parse_body, sse
+from atom_anyio.api.runtime import Runtime
+from atom_anyio.api.usage import Usage
+from atom_anyio.engine.stream import Delta, DeltaStream
 from atom_anyio.parse import OutputParser, ParsedDelta, ToolCallDelta
-from atom_anyio.prompt.prepare import PreparedPrompt, PromptError, tokenize_prompt
+from atom_anyio.prompt.prepare import PreparedPrompt, tokenize_prompt
+from atom_anyio.sampling_params import SamplingParams
 
 Event = dict[str, Any]
 
 
-def messages_blueprint(server: Server) -> Blueprint:
+def messages_blueprint(rt: Runtime) -> Blueprint:
     bp = Blueprint("anthropic", __name__)
 
     @bp.post("/v1/messages")
     async def messages() -> Any:
         req = await parse_body(MessagesRequest)
-        server.check_model(req.model)
-        admission = server.admit()
-        try:
-            prepared = await server.prepare(req.prompt_request(req.max_tokens, req.structured(server.parser_spec)))
-            encoder = MessageEncoder(server, req, prepared)
-            keeps_special = req.parses_tools and server.parser_spec.keeps_special_tokens
-            stream = server.submit(prepared, req.sampling_params(prepared.max_tokens, keeps_special), admission)
-        except BaseException:
-            admission.release()
-            raise
-        if req.stream:
-            events = encoder.stream(stream)
-            return sse_response(server.stream_events(events, encoder.usage, admission, error_event))
-        return await server.json_response(encoder.response(stream), encoder.usage, admission)
+        rt.check_model(req.model)
+        keeps_special = rt.parser_spec.decodes_special_tokens(parse_tools=req.parses_tools)
+
+        def start(prepared: list[PreparedPrompt]) -> tuple[MessageEncoder, list[SamplingParams]]:
+            [p] = prepared
+            params = req.sampling_params(p.max_tokens, keeps_special, defaults=rt.loaded.generation_defaults)
+            return MessageEncoder(rt, req, p), [params]
+
+        prompt = req.prompt_request(req.max_tokens, req.structured(rt.parser_spec))
+        return await rt.generate([prompt], num_seqs=1, is_stream=req.stream, start=start)
 
     @bp.post("/v1/messages/count_tokens")
     async def count_tokens() -> Any:
         req = await parse_body(MessagesInput)
-        server.check_model(req.model)
-        return {"input_tokens": await server.run_in_prepare_thread(_count_tokens, server, req)}
+        rt.check_model(req.model)
+        return {"input_tokens": await rt.run_in_prepare_thread(_count_tokens, rt, req)}
 
     return bp
 
 
-def _count_tokens(server: Server, req: MessagesInput) -> int:
+def _count_tokens(rt: Runtime, req: MessagesInput) -> int:
     """The same render and segment-cache path a message request's prompt takes."""
-    try:
-        return len(tokenize_prompt(req.prompt_request(), server.prepare_ctx))
-    except PromptError as exc:
-        raise APIError(400, exc.message, param=exc.param, code=exc.code) from None
-
-
-def error_event(err: APIError) -> str:
-    return sse(err.anthropic(), event="error")
+    return len(tokenize_prompt(req.prompt_request(), rt.prepare_ctx))
 
 
 class MessageEncoder:
     """Engine deltas -> one Anthropic message, whole or as its stream events."""
 
-    def __init__(self, server: Server, req: MessagesRequest, prepared: PreparedPrompt):
+    def __init__(self, rt: Runtime, req: MessagesRequest, prepared: PreparedPrompt):
         self.id = new_id("msg_")
-        self.model = server.model_name
+        self.model = rt.model_name
         self.usage = Usage()
-        self.blocks = ContentBlocks(OutputParser(server.parser_spec, prepared.text, parse_tools=req.parses_tools))
+        self.blocks = ContentBlocks(OutputParser(rt.parser_spec, prepared.text, parse_tools=req.parses_tools))
         self.last: Delta | None = None
 
     async def response(self, stream: DeltaStream) -> dict[str, Any]:
-        async with stream:
-            async for d in stream:
+        async with Deltas(stream, self.usage, 1) as deltas:
+            async for d in deltas:
                 self._fold(d)
-        self._check_finished()
         return self.message(self.blocks.content)
 
-    async def stream(self, stream: DeltaStream) -> AsyncIterator[str]:
-        async with stream:
-            async for d in stream:
+    async def events(self, stream: DeltaStream) -> AsyncIterator[str]:
+        async with Deltas(stream, self.usage, 1) as deltas:
+            async for d in deltas:
                 is_first = self.last is None
                 events = self._fold(d)
                 if is_first:  # the prompt's usage is known once it ran
@@ -90,23 +80,19 @@ class MessageEncoder:
                     events = [{"type": "message_start", "message": start}, {"type": "ping"}, *events]
                 for event in events:
                     yield sse(event, event=event["type"])
-        self._check_finished()
         stop_reason, stop_sequence = self.stop_reason()
         delta = {"stop_reason": stop_reason, "stop_sequence": stop_sequence}
         yield sse({"type": "message_delta", "delta": delta, "usage": self.usage_json()}, event="message_delta")
         yield sse({"type": "message_stop"}, event="message_stop")
 
     def _fold(self, d: Delta) -> list[Event]:
-        """One delta into usage and the blocks; the events it makes (the last closes every block)."""
-        raise_on_error(d)
-        self.usage.add(d)
+        """One delta into the blocks; the events it makes (the last closes every block)."""
         self.last = d
         events = self.blocks.feed(d.text)
         return events + self.blocks.finish() if d.finish_reason is not None else events
 
-    def _check_finished(self) -> None:
-        if self.last is None or self.last.finish_reason is None:
-            raise EngineFailed("the engine stopped before the request finished")
+    def error_event(self, err: APIError) -> str:
+        return sse(err.anthropic(), event="error")
 
     def stop_reason(self) -> tuple[str | None, str | None]:
         d = self.last

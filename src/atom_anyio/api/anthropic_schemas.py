@@ -3,13 +3,14 @@ OpenAI-style message dicts the chat templates expect."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, TypeAdapter, ValidationError, field_validator, model_validator
 
-from atom_anyio.api.limits import MAX_ANTHROPIC_STOP_SEQUENCES as MAX_STOP_SEQUENCES
 from atom_anyio.api.openai_schemas import Lenient
 from atom_anyio.api.structured import forced_tools
+from atom_anyio.generation_defaults import with_defaults
 from atom_anyio.parse import ParserSpec
 from atom_anyio.prompt.prepare import PromptRequest
 from atom_anyio.sampling_params import SamplingParams, StructuredOutputs
@@ -252,7 +253,7 @@ class MessagesInput(Lenient):
 class MessagesRequest(MessagesInput):
     max_tokens: int = Field(ge=1)
     stream: bool = False
-    stop_sequences: list[str] = Field(default_factory=list, max_length=MAX_STOP_SEQUENCES)
+    stop_sequences: list[str] = Field(default_factory=list)  # at most limits.MAX_STOP_SEQUENCES
     temperature: float | None = Field(None, ge=0, le=1)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0)
@@ -272,13 +273,15 @@ class MessagesRequest(MessagesInput):
             raise ValueError(f"thinking.budget_tokens ({budget}) must be less than max_tokens ({self.max_tokens})")
         return self
 
-    def sampling_params(self, max_tokens: int, keep_special_tokens: bool = False) -> SamplingParams:
-        """``keep_special_tokens``: the tool-call parser reads a special token (Mistral's ``[TOOL_CALLS]``)."""
+    def sampling_params(
+        self, max_tokens: int, keep_special_tokens: bool = False, *, defaults: Mapping[str, Any]
+    ) -> SamplingParams:
+        """``keep_special_tokens``: the tool-call parser reads a special token (Mistral's ``[TOOL_CALLS]``).
+        ``defaults``: the model's (``LoadedModel.generation_defaults``), for the fields left out."""
         return SamplingParams(
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
+            **with_defaults(defaults, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k),
             max_tokens=max_tokens,
             stop=list(self.stop_sequences),
             skip_special_tokens=not keep_special_tokens,
+            reasoning_budget=self.thinking.budget_tokens if self.thinking and self.thinking.type == "enabled" else None,
         )

@@ -9,9 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import os
+import sys
 import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
+import anyio
 import structlog
 from quart import Quart, Response, request
 from quart.asgi import ASGIHTTPConnection
@@ -19,15 +24,19 @@ from werkzeug.exceptions import HTTPException
 
 from atom_anyio.api.anthropic import messages_blueprint
 from atom_anyio.api.errors import APIError
-from atom_anyio.api.misc import misc_blueprint
+from atom_anyio.api.hypercorn_drain import drain_before_hypercorn_shutdown
 from atom_anyio.api.openai_chat import chat_blueprint
 from atom_anyio.api.openai_completions import completions_blueprint
 from atom_anyio.api.openapi import openapi_blueprint
 from atom_anyio.api.responses import responses_blueprint
-from atom_anyio.api.server import RequestRecord, Server, connection_scope, current_record
+from atom_anyio.api.runtime import Runtime, serving
+from atom_anyio.api.status import status_blueprint
+from atom_anyio.api.tokenize import tokenize_blueprint
+from atom_anyio.api.tracker import current_record
 from atom_anyio.config import Config
 from atom_anyio.models.loader import LoadedModel
 from atom_anyio.obs.logging import configure_logging
+from atom_anyio.settings import ConfigError
 
 log = structlog.get_logger("atom_anyio.app")
 
@@ -36,56 +45,85 @@ CORS_ALLOW_HEADERS = "Authorization, Content-Type, X-Api-Key, X-Request-Id, Anth
 
 
 class HTTPConnection(ASGIHTTPConnection):
-    """Quart's, inside a ``connection_scope``: a request admitted here is
-    released even if its response body never starts."""
+    """Quart's, inside the tracker's request scope: the request's line is written when it ends,
+    and a request admitted here is released even if its response body never starts."""
 
     async def __call__(self, receive: Any, send: Any) -> None:
-        with connection_scope():
+        with self.app.extensions["atom_runtime"].tracker.http_request():
             await super().__call__(receive, send)
 
 
 class AtomApp:
-    """ASGI callable: lifespan here, HTTP to Quart."""
+    """ASGI callable: the lifespan (``serving``) here, HTTP to the Quart app built on the runtime.
 
-    def __init__(self, config: Config | None = None, loaded: LoadedModel | None = None):
+    ``on_engine_crash`` is called if the engine loop crashes (the CLI exits non-zero on it)."""
+
+    def __init__(
+        self,
+        config: Config | None = None,
+        loaded: LoadedModel | None = None,
+        on_engine_crash: Callable[[], None] | None = None,
+    ):
         self._config = config
         self._loaded = loaded
-        self._server: Server | None = None
+        self.on_engine_crash = on_engine_crash
+        self._runtime: Runtime | None = None
         self._quart: Quart | None = None
 
     @property
-    def server(self) -> Server:
-        if self._server is None:
-            config = self._config
-            if config is None:  # built from ATOM_* (``hypercorn atom_anyio:app``): its logging settings too
-                config = Config.from_env()
-                configure_logging(config.log_format, config.log_level)
-            self._server = Server(config, self._loaded)
-        return self._server
+    def config(self) -> Config:
+        if self._config is None:  # built from ATOM_* (``hypercorn atom_anyio:app``): its logging settings too
+            self._config = Config.from_env()
+            configure_logging(self._config.log_format, self._config.log_level)
+        return self._config
+
+    @property
+    def is_serving(self) -> bool:
+        return self._runtime is not None
+
+    @property
+    def runtime(self) -> Runtime:
+        assert self._runtime is not None, "the app is not serving"
+        return self._runtime
 
     @property
     def quart(self) -> Quart:
-        if self._quart is None:
-            self._quart = build_quart(self.server)
+        assert self._quart is not None, "the app is not serving"
         return self._quart
+
+    @asynccontextmanager
+    async def serving(self) -> AsyncIterator[AtomApp]:
+        """Load, start the engine and bind the routes to the runtime; drain at exit."""
+        async with serving(self.config, self._loaded, self.on_engine_crash) as runtime:
+            self._runtime, self._quart = runtime, build_quart(runtime)
+            yield self
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
             await self._lifespan(receive, send)
+        elif self._quart is None:  # before startup completed (servers wait for it) or after shutdown
+            await _unavailable(scope, send)
         else:
-            await self.quart(scope, receive, send)
+            await self._quart(scope, receive, send)
 
     async def _lifespan(self, receive: Any, send: Any) -> None:
         message = await receive()
         assert message["type"] == "lifespan.startup"
         started = False
         try:
-            async with self.server.serving():
+            async with self.serving():
                 await self.quart.startup()
                 started = True
                 await send({"type": "lifespan.startup.complete"})
-                message = await receive()  # lifespan.shutdown
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(drain_before_hypercorn_shutdown, self.runtime)
+                    message = await receive()  # lifespan.shutdown
+                    tg.cancel_scope.cancel()
+                log.info("server.shutdown", reason="lifespan.shutdown")
                 await self.quart.shutdown()
+        except ConfigError as exc:  # a bad ATOM_* setting: one line naming it, no traceback, exit 2
+            print(f"atom_anyio: error: {exc}", file=sys.stderr, flush=True)
+            os._exit(2)  # hypercorn would print its own traceback for a failed startup
         except BaseException as exc:
             log.exception("lifespan.failed")
             if not started:
@@ -95,17 +133,26 @@ class AtomApp:
         await send({"type": "lifespan.shutdown.complete"})
 
 
-def build_quart(server: Server) -> Quart:
+async def _unavailable(scope: dict, send: Any) -> None:
+    if scope["type"] != "http":
+        return
+    body = b'{"error":{"message":"the server is not serving","type":"server_error","code":"not_ready"}}'
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": 503, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def build_quart(rt: Runtime) -> Quart:
     app = Quart("atom_anyio")
+    app.extensions["atom_runtime"] = rt
     app.asgi_http_class = HTTPConnection
-    app.config["MAX_CONTENT_LENGTH"] = server.config.max_body_bytes
-    app.config["BODY_TIMEOUT"] = server.config.body_timeout_s
+    app.config["MAX_CONTENT_LENGTH"] = rt.config.max_body_bytes
+    app.config["BODY_TIMEOUT"] = rt.config.body_timeout_s
     app.config["PROVIDE_AUTOMATIC_OPTIONS"] = True
-    app.register_blueprint(chat_blueprint(server))
-    app.register_blueprint(completions_blueprint(server))
-    app.register_blueprint(misc_blueprint(server))
-    app.register_blueprint(messages_blueprint(server))
-    app.register_blueprint(responses_blueprint(server))
+    for blueprint in (chat_blueprint, completions_blueprint, messages_blueprint, responses_blueprint):
+        app.register_blueprint(blueprint(rt))
+    app.register_blueprint(status_blueprint(rt))
+    app.register_blueprint(tokenize_blueprint(rt))
     app.register_blueprint(openapi_blueprint())
 
     @app.before_request
@@ -113,22 +160,20 @@ def build_quart(server: Server) -> Quart:
         structlog.contextvars.clear_contextvars()
         rid = request.headers.get("x-request-id", "")[:128] or uuid.uuid4().hex
         structlog.contextvars.bind_contextvars(request_id=rid, method=request.method, path=request.path)
-        current_record.set(RequestRecord(endpoint_label()))
+        if (record := current_record()) is not None:
+            record.endpoint = endpoint_label()
+            record.log_context = structlog.contextvars.get_contextvars()
 
     @app.after_request
     async def return_request_id(response: Any) -> Any:
         rid = structlog.contextvars.get_contextvars().get("request_id")
         if rid:
             response.headers["x-request-id"] = rid
-        if (record := current_record.get()) is not None:
+        if (record := current_record()) is not None:
             record.status = response.status_code
         return response
 
-    add_cors(app, server.config.cors_allow_origins)
-
-    @app.teardown_request
-    async def log_request(_: BaseException | None) -> None:
-        server.request_closed()
+    add_cors(app, rt.config.cors_allow_origins)
 
     @app.after_request
     async def receive_the_body(response: Any) -> Any:
@@ -141,7 +186,7 @@ def build_quart(server: Server) -> Quart:
 
     @app.before_request
     async def authenticate() -> None:
-        key = server.config.api_key
+        key = rt.config.api_key
         if not key or request.path in OPEN_PATHS:
             return
         given = request.headers.get("Authorization", "")
@@ -160,7 +205,7 @@ def build_quart(server: Server) -> Quart:
         messages = {
             404: f"No route for {request.method} {request.path}.",
             405: f"Method {request.method} is not allowed for {request.path}.",
-            413: f"The request body is larger than the limit of {server.config.max_body_bytes} bytes.",
+            413: f"The request body is larger than the limit of {rt.config.max_body_bytes} bytes.",
         }
         code = err.code or 500
         return error_response(

@@ -14,8 +14,8 @@ MAX_JSON_DEPTH = 64  # nesting of objects and arrays in a body
 MAX_MESSAGES = 10_000  # chat / Messages ``messages``, Responses ``input`` items
 MAX_PROMPTS = 128  # prompts in one completions request
 MAX_N = 128  # choices per prompt
-MAX_STOP_SEQUENCES = 16  # OpenAI ``stop``
-MAX_ANTHROPIC_STOP_SEQUENCES = 64  # Anthropic ``stop_sequences``
+MAX_STOP = 16  # OpenAI ``stop`` strings
+MAX_STOP_SEQUENCES = 64  # Anthropic ``stop_sequences``
 MAX_LOGIT_BIAS = 1024  # ``logit_bias`` entries
 MAX_TOOLS = 256  # tool definitions
 MAX_SCHEMA_BYTES = 64 * 1024  # one tool definition or response-format schema, as compact JSON
@@ -26,6 +26,8 @@ _COUNTED = (
     ("input", "max_messages", MAX_MESSAGES),
     ("tools", "max_tools", MAX_TOOLS),
     ("logit_bias", "max_logit_bias", MAX_LOGIT_BIAS),
+    ("stop", "max_stop", MAX_STOP),
+    ("stop_sequences", "max_stop_sequences", MAX_STOP_SEQUENCES),
 )
 
 
@@ -39,6 +41,9 @@ def check_body(body: dict[str, Any]) -> None:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) and len(prompt) > MAX_PROMPTS:
         raise limit_error("prompt", "max_prompts", MAX_PROMPTS, f"has {len(prompt)} prompts")
+    n = body.get("n")
+    if type(n) is int and n > MAX_N:
+        raise limit_error("n", "max_n", MAX_N, f"is {n}")
     tools = body.get("tools")
     for i, tool in enumerate(tools if isinstance(tools, list) else []):
         _check_schema_size(f"tools.{i}", tool)

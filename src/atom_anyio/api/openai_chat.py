@@ -8,75 +8,101 @@ from typing import Any
 
 from quart import Blueprint
 
-from atom_anyio.api.common import (
-    Choice,
-    EngineFailed,
-    TokenText,
-    Usage,
-    collect,
-    new_id,
-    now,
-    parse_body,
-    raise_on_error,
-    sse,
-    sse_response,
-)
 from atom_anyio.api.errors import APIError
+from atom_anyio.api.generation import Deltas, TokenText, collect
+from atom_anyio.api.http import new_id, now, parse_body, sse
 from atom_anyio.api.openai_schemas import ChatCompletionRequest
-from atom_anyio.api.server import Server
-from atom_anyio.engine.sequence import Delta, Logprob
+from atom_anyio.api.runtime import Runtime
+from atom_anyio.api.usage import Usage
+from atom_anyio.engine.stream import Delta, DeltaStream, Logprob
 from atom_anyio.parse import OutputParser, ParsedDelta, ToolCall, ToolCallDelta
-from atom_anyio.prompt.prepare import PromptRequest
+from atom_anyio.prompt.prepare import PreparedPrompt, PromptRequest
+from atom_anyio.sampling_params import SamplingParams
 
 
-def chat_blueprint(server: Server) -> Blueprint:
+def chat_blueprint(rt: Runtime) -> Blueprint:
     bp = Blueprint("openai_chat", __name__)
 
     @bp.post("/v1/chat/completions", endpoint="chat")
     async def chat_completions() -> Any:
         req = await parse_body(ChatCompletionRequest)
-        server.check_model(req.model)
+        rt.check_model(req.model)
         parse_tools = bool(req.tools) and req.tool_choice != "none"  # "none": no tools in the prompt or the output
         prompt = PromptRequest(
             messages=req.flat_messages(),
             tools=[t.model_dump(exclude_none=True) for t in req.tools] if parse_tools else None,
-            chat_template_kwargs=req.chat_template_kwargs,
+            chat_template_kwargs=req.template_kwargs,
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
             max_tokens=req.requested_max_tokens,
             truncate_prompt_tokens=req.truncate_prompt_tokens,
-            structured=req.structured(server.parser_spec),
+            structured=req.structured(rt.parser_spec),
         )
-        admission = server.admit(req.n)
-        try:
-            prepared = await server.prepare(prompt)
-            params = req.sampling_params(prepared.max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
-            if parse_tools and server.parser_spec.keeps_special_tokens:
+
+        def start(prepared: list[PreparedPrompt]) -> tuple[ChatEncoder, list[SamplingParams]]:
+            [p] = prepared
+            num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+            params = req.sampling_params(p.max_tokens, num_logprobs, defaults=rt.loaded.generation_defaults)
+            if rt.parser_spec.decodes_special_tokens(parse_tools=parse_tools):
                 params.skip_special_tokens = False
-            encoder = ChatEncoder(server, req, prepared.text, parse_tools=parse_tools)
-            stream = server.submit(prepared, params, admission)
-        except BaseException:
-            admission.release()
-            raise
-        if req.stream:
-            events = encoder.stream(stream)
-            return sse_response(server.stream_events(events, encoder.usage, admission, openai_error_event))
-        return await server.json_response(encoder.response(stream), encoder.usage, admission)
+            return ChatEncoder(rt, req, p.text, parse_tools=parse_tools), [params]
+
+        return await rt.generate([prompt], num_seqs=req.n, is_stream=req.stream, start=start)
 
     return bp
 
 
-class ChatEncoder:
+class OpenAIEncoder:
+    """What the chat and completions encoders share: the id, the object envelope, usage, errors."""
+
+    id_prefix = ""
+    object_name = ""  # of the whole response
+    chunk_object_name = ""
+
+    def __init__(self, rt: Runtime, req: ChatCompletionRequest | Any):
+        self.req = req
+        self.id = new_id(self.id_prefix)
+        self.created = now()
+        self.model = rt.model_name
+        self.token_text = TokenText(rt.loaded.tokenizer)
+        self.usage = Usage()
+
+    def envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        """The whole response around its choices."""
+        out = self._object(self.object_name, choices)
+        out["usage"] = self.usage.openai()
+        return out
+
+    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
+        out = self._object(self.chunk_object_name, choices)
+        if self.req.wants_usage_on_every_chunk:
+            out["usage"] = usage or self.usage.openai()  # the deltas so far are folded in
+        elif self.req.wants_usage_chunk:
+            out["usage"] = usage
+        return out
+
+    def usage_chunk_and_done(self) -> list[str]:
+        """A stream's last events: the usage chunk (when asked for) and [DONE]."""
+        usage = [sse(self.chunk([], self.usage.openai()))] if self.req.wants_usage_chunk else []
+        return [*usage, sse("[DONE]")]
+
+    def error_event(self, err: APIError) -> str:
+        return openai_error_event(err)
+
+    def _object(self, name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": name, "created": self.created, "model": self.model, "choices": choices}
+
+
+class ChatEncoder(OpenAIEncoder):
     """Engine deltas -> chat.completion / chat.completion.chunk objects."""
 
-    def __init__(self, server: Server, req: ChatCompletionRequest, prompt_text: str | None, *, parse_tools: bool):
-        self.req = req
-        self.new_parser = functools.partial(OutputParser, server.parser_spec, prompt_text, parse_tools=parse_tools)
-        self.id = new_id("chatcmpl-")
-        self.created = now()
-        self.model = server.model_name
-        self.token_text = TokenText(server.loaded.tokenizer)
-        self.usage = Usage()
+    id_prefix = "chatcmpl-"
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+
+    def __init__(self, rt: Runtime, req: ChatCompletionRequest, prompt_text: str | None, *, parse_tools: bool):
+        super().__init__(rt, req)
+        self.new_parser = functools.partial(OutputParser, rt.parser_spec, prompt_text, parse_tools=parse_tools)
 
     def logprobs(self, lps: list[Logprob]) -> dict[str, Any]:
         content = []
@@ -89,18 +115,11 @@ class ChatEncoder:
             content.append({"token": text, "logprob": lp.logprob, "bytes": raw, "top_logprobs": top})
         return {"content": content}
 
-    async def response(self, stream) -> dict[str, Any]:
-        choices = await collect(stream, self.req.n, self.usage)
-        return {
-            "id": self.id,
-            "object": "chat.completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [self._choice(c) for c in choices],
-            "usage": self.usage.openai(),
-        }
+    async def response(self, stream: DeltaStream) -> dict[str, Any]:
+        choices = await collect(Deltas(stream, self.usage, self.req.n), self.req.n)
+        return self.envelope([self._choice(c) for c in choices])
 
-    def _choice(self, c: Choice) -> dict[str, Any]:
+    def _choice(self, c: Delta) -> dict[str, Any]:
         parser = self.new_parser()
         parsed = parser.parse_all(c.text)
         calls = parser.tool_calls
@@ -114,39 +133,22 @@ class ChatEncoder:
         return {
             "index": c.index,
             "message": message,
-            "logprobs": self.logprobs(c.logprobs) if self.req.logprobs else None,
+            "logprobs": self.logprobs(c.logprobs or []) if self.req.logprobs else None,
             "finish_reason": chat_finish_reason(parser, c.finish_reason),
             "stop_reason": c.stop_reason,
         }
 
-    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
-        out = {
-            "id": self.id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
-        if self.req.wants_usage_chunk:
-            out["usage"] = usage
-        return out
-
-    async def stream(self, stream) -> AsyncIterator[str]:
+    async def events(self, stream: DeltaStream) -> AsyncIterator[str]:
         parsers: dict[int, OutputParser] = {}  # per choice, created when it starts
-        async with stream:
-            async for d in stream:
-                raise_on_error(d)
-                self.usage.add(d)
+        async with Deltas(stream, self.usage, self.req.n) as deltas:
+            async for d in deltas:
                 if d.index not in parsers:
                     parsers[d.index] = self.new_parser()
                     yield sse(self.chunk([self._delta_choice(d.index, {"role": "assistant", "content": ""})]))
                 for chunk in self._delta_chunks(parsers[d.index], d):
                     yield sse(chunk)
-        if len(parsers) < self.req.n:
-            raise EngineFailed("the engine stopped before the request finished")
-        if self.req.wants_usage_chunk:
-            yield sse(self.chunk([], self.usage.openai()))
-        yield sse("[DONE]")
+        for event in self.usage_chunk_and_done():
+            yield event
 
     def _delta_chunks(self, parser: OutputParser, d: Delta) -> list[dict[str, Any]]:
         """One engine delta of one choice as chunks: its parsed text (and logprobs), then its finish."""

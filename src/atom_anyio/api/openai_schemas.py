@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from atom_anyio.api.errors import APIError
-from atom_anyio.api.limits import MAX_N, MAX_STOP_SEQUENCES
 from atom_anyio.api.structured import bad, forced_tools, only_one, response_format, vllm_structured
+from atom_anyio.generation_defaults import with_defaults
 from atom_anyio.parse import ParserSpec
 from atom_anyio.sampling_params import SamplingParams, StructuredOutputs
 
@@ -23,7 +24,8 @@ class Lenient(BaseModel):
 
 
 class StreamOptions(Lenient):
-    include_usage: bool = False
+    include_usage: bool = False  # a last chunk with the request's usage
+    continuous_usage_stats: bool = False  # every chunk carries the usage so far (vLLM's)
 
 
 class FunctionDef(Lenient):
@@ -44,7 +46,7 @@ class SamplingFields(Lenient):
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: int = Field(1, ge=1)  # at most limits.MAX_N, checked on the body
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1, le=2**31 - 1)  # the sampler holds it in an int64 tensor
@@ -73,8 +75,6 @@ class SamplingFields(Lenient):
     @classmethod
     def _stop(cls, v: str | list[str] | None) -> list[str]:
         stops = [v] if isinstance(v, str) else list(v or [])
-        if len(stops) > MAX_STOP_SEQUENCES:
-            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed")
         if any(not s for s in stops):
             raise ValueError("stop sequences must not be empty")
         return stops
@@ -97,17 +97,27 @@ class SamplingFields(Lenient):
     def wants_usage_chunk(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, max_tokens: int, num_logprobs: int | None) -> SamplingParams:
+    @property
+    def wants_usage_on_every_chunk(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+    def sampling_params(
+        self, max_tokens: int, num_logprobs: int | None, *, defaults: Mapping[str, Any]
+    ) -> SamplingParams:
+        """``defaults``: the model's (``LoadedModel.generation_defaults``), for the fields left out."""
         return SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
+            **with_defaults(
+                defaults,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                top_k=self.top_k,
+                min_p=self.min_p,
+                repetition_penalty=self.repetition_penalty,
+            ),
             seed=self.seed,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=self.repetition_penalty or 1.0,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
             logprobs=num_logprobs,
             max_tokens=max_tokens,
@@ -147,6 +157,7 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     response_format: dict[str, Any] | None = None
@@ -188,6 +199,14 @@ class ChatCompletionRequest(SamplingFields):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    @property
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """``chat_template_kwargs``, with ``reasoning_effort`` onto the template's thinking switch
+        (as Responses' ``reasoning.effort``); an explicit ``enable_thinking`` wins."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {"enable_thinking": thinking_enabled(self.reasoning_effort), **(self.chat_template_kwargs or {})}
+
     def flat_messages(self) -> list[dict[str, Any]]:
         """Messages with content flattened to text; other parts are refused."""
         out = []
@@ -199,6 +218,11 @@ class ChatCompletionRequest(SamplingFields):
                 msg["tool_calls"] = [_parse_arguments(c) for c in msg["tool_calls"]]
             out.append(msg)
         return out
+
+
+def thinking_enabled(effort: str) -> bool:
+    """A reasoning effort as the chat template's one switch: "none" and "minimal" turn thinking off."""
+    return effort not in ("none", "minimal")
 
 
 def _text_of_parts(parts: list[dict[str, Any]], where: str) -> str:

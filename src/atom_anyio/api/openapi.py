@@ -16,9 +16,9 @@ from quart import Blueprint
 from atom_anyio import __version__
 from atom_anyio.api.anthropic_schemas import MessagesInput, MessagesRequest
 from atom_anyio.api.errors import ANTHROPIC_STATUSES
-from atom_anyio.api.misc import DetokenizeRequest, TokenizeRequest
 from atom_anyio.api.openai_schemas import ChatCompletionRequest, CompletionRequest
 from atom_anyio.api.responses_schemas import ResponsesRequest
+from atom_anyio.api.tokenize import DetokenizeRequest, TokenizeRequest
 
 REF = "#/components/schemas/{model}"
 BEARER = [{"bearer": []}]

@@ -9,49 +9,50 @@ from typing import Any
 
 from quart import Blueprint
 
-from atom_anyio.api.common import EngineFailed, Usage, new_id, now, parse_body, raise_on_error, sse, sse_response
 from atom_anyio.api.errors import APIError
+from atom_anyio.api.generation import Deltas
+from atom_anyio.api.http import new_id, now, parse_body, sse
 from atom_anyio.api.response_store import ResponseStore, StoredResponse
 from atom_anyio.api.responses_schemas import FunctionTool, InputItem, ResponsesRequest, parse_items, to_messages
-from atom_anyio.api.server import Server
+from atom_anyio.api.runtime import Runtime
+from atom_anyio.api.usage import Usage
 from atom_anyio.engine.stream import DeltaStream
+from atom_anyio.generation_defaults import with_defaults
 from atom_anyio.parse import OutputParser, ParsedDelta, ToolCallDelta
 from atom_anyio.prompt.prepare import PreparedPrompt, PromptRequest
 from atom_anyio.sampling_params import SamplingParams
 
 
-def responses_blueprint(server: Server) -> Blueprint:
+def responses_blueprint(rt: Runtime) -> Blueprint:
     bp = Blueprint("openai_responses", __name__)
-    cfg = server.config
-    store = bp.store = ResponseStore(cfg.responses_store_max_items, cfg.responses_store_ttl_s)
+    store = rt.responses_store
 
     @bp.post("/v1/responses", endpoint="responses")
     async def create() -> Any:
         req = await parse_body(ResponsesRequest)
-        server.check_model(req.model)
+        rt.check_model(req.model)
         tools = req.function_tools()
-        new_items = req.input_items()
-        history = _history(store, req.previous_response_id)
+        input_items = _history(store, req.previous_response_id) + req.input_items()
         prompt = PromptRequest(
-            messages=to_messages(history + new_items, req.instructions),
+            messages=to_messages(input_items, req.instructions),
             tools=[t.chat() for t in tools] if req.parses_tools else None,
             chat_template_kwargs=req.chat_template_kwargs,
             max_tokens=req.max_output_tokens,
             truncation=req.truncation,
-            structured=req.structured(server.parser_spec, tools),
+            structured=req.structured(rt.parser_spec, tools),
         )
-        admission = server.admit()
+
+        def start(prepared: list[PreparedPrompt]) -> tuple[ResponseEncoder, list[SamplingParams]]:
+            [p] = prepared
+            encoder = ResponseEncoder(rt, req, tools, p, store, input_items)
+            return encoder, [encoder.params]
+
         try:
-            prepared = await _prepare(server, prompt)
-            encoder = ResponseEncoder(server, req, tools, prepared, store, history + new_items)
-            stream = server.submit(prepared, _sampling_params(server, req, prepared), admission)
-        except BaseException:
-            admission.release()
+            return await rt.generate([prompt], num_seqs=1, is_stream=req.stream, start=start)
+        except APIError as exc:
+            if exc.param == "messages":  # the prompt is built from the input items
+                exc.param = "input"
             raise
-        if req.stream:
-            events = encoder.sse(stream)
-            return sse_response(server.stream_events(events, encoder.usage, admission, encoder.error))
-        return await server.json_response(encoder.run(stream), encoder.usage, admission)
 
     @bp.get("/v1/responses/<response_id>", endpoint="get_response")
     async def retrieve(response_id: str) -> Any:
@@ -89,21 +90,11 @@ def _not_found(response_id: str, param: str | None = None) -> APIError:
     )
 
 
-async def _prepare(server: Server, prompt: PromptRequest) -> PreparedPrompt:
-    try:
-        return await server.prepare(prompt)
-    except APIError as exc:
-        if exc.param == "messages":  # the prompt is built from the input items
-            exc.param = "input"
-        raise
-
-
-def _sampling_params(server: Server, req: ResponsesRequest, prepared: PreparedPrompt) -> SamplingParams:
+def _sampling_params(rt: Runtime, req: ResponsesRequest, prepared: PreparedPrompt) -> SamplingParams:
     return SamplingParams(
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
+        **with_defaults(rt.loaded.generation_defaults, temperature=req.temperature, top_p=req.top_p),
         max_tokens=prepared.max_tokens,
-        skip_special_tokens=not (req.parses_tools and server.parser_spec.keeps_special_tokens),
+        skip_special_tokens=not rt.parser_spec.decodes_special_tokens(parse_tools=req.parses_tools),
     )
 
 
@@ -116,7 +107,7 @@ class ResponseEncoder:
 
     def __init__(
         self,
-        server: Server,
+        rt: Runtime,
         req: ResponsesRequest,
         tools: list[FunctionTool],
         prepared: PreparedPrompt,
@@ -124,13 +115,14 @@ class ResponseEncoder:
         input_items: list[InputItem],
     ):
         self.req = req
+        self.params = _sampling_params(rt, req, prepared)  # what runs, and what the Response echoes
         self.tools = [t.model_dump(exclude_none=True) for t in tools]
         self.store = store
         self.input_items = input_items
         self.id = new_id("resp_")
         self.created_at = now()
-        self.model = server.model_name
-        self.parser = OutputParser(server.parser_spec, prepared.text, parse_tools=req.parses_tools)
+        self.model = rt.model_name
+        self.parser = OutputParser(rt.parser_spec, prepared.text, parse_tools=req.parses_tools)
         self.usage = Usage()
         self.num_reasoning_tokens = 0
         self.status = "in_progress"
@@ -144,7 +136,7 @@ class ResponseEncoder:
 
     # the Response object
 
-    def response(self) -> dict[str, Any]:
+    def _response(self) -> dict[str, Any]:
         req = self.req
         finished = self.status in ("completed", "incomplete")
         return {
@@ -163,11 +155,11 @@ class ResponseEncoder:
             "previous_response_id": req.previous_response_id,
             "reasoning": {"effort": None, "summary": None, **(req.reasoning.model_dump() if req.reasoning else {})},
             "store": req.store,
-            "temperature": 1.0 if req.temperature is None else req.temperature,
+            "temperature": self.params.temperature,
             "text": req.text.model_dump(exclude_none=True),
             "tool_choice": req.tool_choice,
             "tools": self.tools,
-            "top_p": 1.0 if req.top_p is None else req.top_p,
+            "top_p": self.params.top_p,
             "truncation": req.truncation,
             "usage": self._usage() if finished else None,
             "user": req.user,
@@ -186,33 +178,29 @@ class ResponseEncoder:
 
     # the event stream
 
-    async def run(self, stream: DeltaStream) -> dict[str, Any]:
+    async def response(self, stream: DeltaStream) -> dict[str, Any]:
         """The plain (non-streaming) response: the same events, unsent."""
-        async with aclosing(self.events(stream)) as events:
+        async with aclosing(self._events(stream)) as events:
             async for _ in events:
                 pass
-        return self.response()
+        return self._response()
 
-    async def sse(self, stream: DeltaStream) -> AsyncIterator[str]:
-        async with aclosing(self.events(stream)) as events:
+    async def events(self, stream: DeltaStream) -> AsyncIterator[str]:
+        async with aclosing(self._events(stream)) as events:
             async for event in events:
                 yield sse(event, event=event["type"])
 
-    async def events(self, stream: DeltaStream) -> AsyncIterator[dict[str, Any]]:
-        yield self._event("response.created", response=self.response())
-        yield self._event("response.in_progress", response=self.response())
+    async def _events(self, stream: DeltaStream) -> AsyncIterator[dict[str, Any]]:
+        yield self._event("response.created", response=self._response())
+        yield self._event("response.in_progress", response=self._response())
         finish = None
-        async with stream:
-            async for d in stream:
-                raise_on_error(d)
-                self.usage.add(d)
+        async with Deltas(stream, self.usage, 1) as deltas:
+            async for d in deltas:
                 for event in self._parsed(self.parser.feed(d.text)):
                     yield event
                 if self.open is not None and self.open["type"] == "reasoning":
                     self.num_reasoning_tokens += len(d.token_ids)
                 finish = d.finish_reason
-        if finish is None:
-            raise EngineFailed("the engine stopped before the response finished")
         for event in self._parsed(self.parser.finish()):
             yield event
         if not self.output_index:  # nothing visible came out: still one (empty) message
@@ -222,15 +210,15 @@ class ResponseEncoder:
         for event in self._close():
             yield event
         self.completed_at = time.time()
-        response = self.response()
+        response = self._response()
         if self.req.store:
             self.store.put(self.id, StoredResponse(self.input_items, response))
         yield self._event(f"response.{self.status}", response=response)
 
-    def error(self, err: APIError) -> str:
+    def error_event(self, err: APIError) -> str:
         """The ``error`` event, then ``response.failed``, for an engine failure mid-stream."""
         self.status = "failed"
-        failed = {**self.response(), "error": {"code": "server_error", "message": err.message}}
+        failed = {**self._response(), "error": {"code": "server_error", "message": err.message}}
         error = self._event("error", code=err.code, message=err.message, param=err.param)
         return sse(error, event="error") + sse(self._event("response.failed", response=failed), "response.failed")
 

@@ -7,7 +7,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from atom_anyio.api.errors import APIError, from_validation_error
-from atom_anyio.api.openai_schemas import Lenient, _parse_arguments
+from atom_anyio.api.openai_schemas import Lenient, _parse_arguments, thinking_enabled
 from atom_anyio.api.structured import forced_tools, only_one, response_format
 from atom_anyio.parse import ParserSpec
 from atom_anyio.sampling_params import StructuredOutputs
@@ -15,7 +15,6 @@ from atom_anyio.sampling_params import StructuredOutputs
 MAX_METADATA_PAIRS = 16
 TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 UNSUPPORTED_PARTS = ("input_image", "input_file", "input_audio", "image_url", "file")
-THINKING_OFF_EFFORTS = ("none", "minimal")
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -209,7 +208,7 @@ class ResponsesRequest(Lenient):
         """reasoning.effort onto the template's thinking switch; absent: the template's default."""
         if self.reasoning is None or self.reasoning.effort is None:
             return None
-        return {"enable_thinking": self.reasoning.effort not in THINKING_OFF_EFFORTS}
+        return {"enable_thinking": thinking_enabled(self.reasoning.effort)}
 
     def input_items(self) -> list[InputItem]:
         if isinstance(self.input, str):

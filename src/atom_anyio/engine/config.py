@@ -1,25 +1,50 @@
-"""The engine's one configuration object."""
+"""The engine's one configuration object (nested in the server's ``Config``)."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
 
+from atom_anyio.obs.kv_events import KVEventsConfig
+from atom_anyio.settings import setting
+
 
 @dataclass(frozen=True)
 class EngineConfig:
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048  # per step, decodes and prefill chunks together
-    kv_cache_gib: float = 2.0  # memory budget of the KV pool
-    num_kv_blocks: int | None = None  # overrides the budget (tests force preemption with it)
-    enable_prefix_caching: bool = True
-    max_consecutive_step_failures: int = 3  # then the engine is marked unhealthy
-    max_pending_deltas: int = 64  # unread deltas per request before new ones are merged into them
-    # torch intra-op threads for the forward on CPU; None: every core. The forward leaves the GIL, and on
-    # the 2-core VM two threads served 1.6x the output of one at c16 (docs/performance.md)
-    num_threads: int | None = None
+    max_model_len: int | None = setting(None, "context length in tokens (default: the model's)")
+    block_size: int = setting(16, "tokens per KV-cache block (and per prefix-cache hash)")
+    max_num_seqs: int = setting(64, "sequences running at once")
+    max_num_batched_tokens: int = setting(2048, "tokens per step, decodes and prefill chunks together")
+    kv_cache_gib: float = setting(
+        2.0, "memory budget of the KV pool on the CPU, capped at what max_num_seqs x max_model_len can use"
+    )
+    gpu_memory_utilization: float = setting(
+        0.9, "on a GPU: the share of its memory the engine may fill (weights, activations, then the KV pool)"
+    )
+    num_kv_blocks: int | None = setting(None, "KV blocks in the pool, overriding the memory budget")
+    enable_prefix_caching: bool = setting(True, "reuse the KV of prompt blocks seen before")
+    max_consecutive_step_failures: int = setting(3, "failed model steps in a row before the engine is unhealthy")
+    max_pending_deltas: int = setting(64, "unread deltas per request; past it a slow reader's deltas are merged")
+    # the forward leaves the GIL, and on the 2-core VM two threads served 1.6x the output of one at c16
+    num_threads: int | None = setting(None, "torch threads for the forward on CPU (default: every core)")
+    cuda_graphs: bool = setting(
+        False, "decode batches padded to 1, 2, 4 .. max_num_seqs and captured as CUDA graphs (untested on a GPU)"
+    )
+    kv_events: KVEventsConfig | None = setting(
+        None,
+        "vLLM's --kv-events-config JSON: publish KV-cache events over ZMQ (docs/operations.md)",
+        parse=KVEventsConfig.from_json,
+        name="kv_events_config",
+    )
+
+    def __post_init__(self) -> None:
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], not {self.gpu_memory_utilization}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_pending_deltas"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
+        if self.kv_cache_gib <= 0:
+            raise ValueError(f"kv_cache_gib must be positive, not {self.kv_cache_gib}")
 
     @property
     def cpu_threads(self) -> int:

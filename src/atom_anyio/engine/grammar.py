@@ -65,6 +65,10 @@ class Constraint:
     # empty: constrained from the first token
     start_after: tuple[int, ...] = ()
 
+    def new_matcher(self) -> xgr.GrammarMatcher:
+        """A matcher for one sequence (each choice its own: their outputs differ)."""
+        return xgr.GrammarMatcher(self.grammar)
+
 
 class Grammars:
     def __init__(

@@ -13,36 +13,31 @@ delta, closes its send stream and is dropped: nothing keeps finished ones.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Sequence as Seq
 
 import anyio
 import structlog
-import xgrammar as xgr
 from anyio.abc import TaskStatus
 
-from atom_anyio.engine.block_hash import block_hash_chain
 from atom_anyio.engine.block_manager import BlockManager
 from atom_anyio.engine.config import EngineConfig
 from atom_anyio.engine.detokenizer import IncrementalDetokenizer
-from atom_anyio.engine.grammar import Constraint
+from atom_anyio.engine.request import EngineRequest
 from atom_anyio.engine.sampler import SamplingInputs
 from atom_anyio.engine.scheduler import ScheduledBatch, Scheduler
-from atom_anyio.engine.sequence import Delta, Sequence, Status
-from atom_anyio.engine.stream import DeltaStream
-from atom_anyio.engine.worker import StepInput, StepOutput, Worker, kv_bytes_per_token
+from atom_anyio.engine.sequence import Sequence, Status
+from atom_anyio.engine.stream import Delta, DeltaStream, Logprob
+from atom_anyio.engine.worker import StepInput, StepOutput, Worker, kv_bytes_per_token, kv_pool_bytes
 from atom_anyio.models.loader import LoadedModel
-from atom_anyio.sampling_params import SamplingParams
+from atom_anyio.obs.kv_events import KVEventPublisher
 
 log = structlog.get_logger("atom_anyio.engine")
 
 
-class EngineError(ValueError):
-    """A request the engine can never serve (refused at submit)."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop is not running (crashed or stopped)."""
+class EngineStopped(RuntimeError):
+    """The engine loop is not running (it crashed or was stopped): nothing can be submitted."""
 
 
 class Engine:
@@ -56,12 +51,14 @@ class Engine:
         )
         param = next(loaded.model.parameters())
         per_block = kv_bytes_per_token(loaded.model, param.dtype) * cfg.block_size
-        num_blocks = cfg.num_kv_blocks or max(1, int(cfg.kv_cache_gib * 2**30) // per_block)
-        self.block_manager = BlockManager(num_blocks, cfg.block_size)
+        num_blocks = cfg.num_kv_blocks or self._num_pool_blocks(per_block, kv_pool_bytes(cfg, loaded.model))
+        self.kv_events = KVEventPublisher(cfg.kv_events) if cfg.kv_events else None  # runs with run()
+        self.block_manager = BlockManager(num_blocks, cfg.block_size, record_events=self.kv_events is not None)
         self.scheduler = Scheduler(
             self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.enable_prefix_caching
         )
-        self.worker = Worker(loaded.model, num_blocks, cfg.block_size, cfg.cpu_threads)
+        graphs = (self.max_model_len, cfg.max_num_seqs) if cfg.cuda_graphs else None
+        self.worker = Worker(loaded.model, num_blocks, cfg.block_size, cfg.cpu_threads, decode_graphs=graphs)
         self._inbox: list[Sequence] = []
         self._wakeup: anyio.Event | None = None  # created by run(): an Event belongs to one event loop
         self.is_running = False
@@ -69,43 +66,50 @@ class Engine:
         self.num_consecutive_failures = 0
         self.step_timings: dict[str, float] = {"schedule": 0.0, "forward": 0.0, "sample": 0.0, "postprocess": 0.0}
         self.num_steps = 0
-        log.info("engine.kv_pool", num_blocks=num_blocks, block_size=cfg.block_size, max_model_len=self.max_model_len)
+        log.info(
+            "engine.kv_pool",
+            num_tokens=num_blocks * cfg.block_size,
+            num_blocks=num_blocks,
+            gib=round(num_blocks * per_block / 2**30, 3),
+            max_model_len=self.max_model_len,
+        )
+
+    def _num_pool_blocks(self, bytes_per_block: int, pool_bytes: int) -> int:
+        """The ``pool_bytes`` budget (``kv_pool_bytes``), or less when ``max_num_seqs`` sequences of ``max_model_len``
+        tokens cannot use it all (a 135M model need not hold 2 GiB at idle)."""
+        cfg = self.cfg
+        budget = max(1, pool_bytes // bytes_per_block)
+        usable = cfg.max_num_seqs * math.ceil(self.max_model_len / cfg.block_size)
+        return min(budget, usable)
+
+    @property
+    def max_kv_tokens(self) -> int:
+        """The most tokens (prompt and completion) one sequence can hold in the pool."""
+        return self.block_manager.num_blocks * self.block_manager.block_size
 
     # submit
 
-    def submit(
-        self,
-        prompt_token_ids: Seq[int],
-        params: SamplingParams,
-        *,
-        block_hashes: list[int] | None = None,
-        constraint: Constraint | None = None,
-    ) -> DeltaStream:
+    def submit(self, request: EngineRequest) -> DeltaStream:
         """Queue a request; its deltas arrive on the returned stream, tagged
-        with the choice index, until every choice has finished. ``constraint``:
-        a compiled grammar every choice's output follows."""
-        return self.submit_many([(prompt_token_ids, block_hashes, params, constraint)])
+        with the choice index, until every choice has finished."""
+        return self.submit_many([request])
 
-    def submit_many(
-        self, prompts: Seq[tuple[Seq[int], list[int] | None, SamplingParams, Constraint | None]]
-    ) -> DeltaStream:
+    def submit_many(self, requests: Seq[EngineRequest]) -> DeltaStream:
         """Several prompts as one request on one stream: prompt ``i``'s
         choices are numbered after those of the prompts before it."""
         if not self.is_running:
-            raise EngineDeadError(self.error or "the engine is not running")
-        checked = [(list(ids), hashes, params, c, self.check(len(ids), params)) for ids, hashes, params, c in prompts]
+            raise EngineStopped(self.error or "the engine is not running")
         stream = DeltaStream(self.cfg.max_pending_deltas)
         index = 0
-        for ids, hashes, params, constraint, max_tokens in checked:
-            if hashes is None:
-                hashes = block_hash_chain(ids, self.cfg.block_size)
-            seqs = [
-                self._new_sequence(ids, hashes, params, max_tokens, stream.sender(), index + i, constraint)
-                for i in range(params.n)
-            ]
-            index += params.n
-            seqs[0].siblings = seqs[1:]  # released once the first has prefilled the shared prompt
-            self._inbox.append(seqs[0])
+        for request in requests:
+            assert (
+                request.num_prompt_tokens > 0 and request.num_prompt_tokens + request.max_tokens <= self.max_kv_tokens
+            )
+            assert request.num_prompt_tokens + request.max_tokens <= self.max_model_len
+            n = request.params.n
+            siblings = [self._new_sequence(request, stream, index + i) for i in range(1, n)]
+            self._inbox.append(self._new_sequence(request, stream, index, siblings))  # siblings wait for its prefill
+            index += n
         self._wakeup.set()
         return stream
 
@@ -119,42 +123,18 @@ class Engine:
         """Tokens the waiting sequences have yet to prefill (a choice of n > 1 counts its prompt)."""
         return sum(len(s) * (1 + len(s.siblings)) for s in (*self._inbox, *self.scheduler.waiting))
 
-    def check(self, num_prompt: int, params: SamplingParams) -> int:
-        """Refuse a request that can never be served; return its max_tokens."""
-        if num_prompt == 0:
-            raise EngineError("the prompt is empty")
-        max_tokens = params.max_tokens or self.max_model_len - num_prompt
-        if num_prompt + max_tokens > self.max_model_len:
-            raise EngineError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} in the completion)."
-            )
-        capacity = self.block_manager.num_blocks * self.block_manager.block_size
-        if num_prompt + max_tokens > capacity:
-            raise EngineError(
-                f"the request needs {num_prompt + max_tokens} tokens of KV cache but the pool holds {capacity}"
-            )
-        vocab = self.model_config.vocab_size
-        for t in [*params.logit_bias, *params.stop_token_ids]:
-            if not 0 <= t < vocab:
-                raise EngineError(f"token id {t} is out of range for a vocabulary of {vocab}")
-        return max_tokens
-
-    def _new_sequence(self, ids, hashes, params, max_tokens, stream, index, constraint=None) -> Sequence:
+    def _new_sequence(
+        self, request: EngineRequest, stream: DeltaStream, index: int, siblings: Seq[Sequence] = ()
+    ) -> Sequence:
+        params = request.params
         detok = IncrementalDetokenizer(
             self.tokenizer,
-            ids,
+            request.prompt_token_ids,
             skip_special_tokens=params.skip_special_tokens,
             stop=params.stop,
             include_stop_str_in_output=params.include_stop_str_in_output,
         )
-        seed = None if params.seed is None else params.seed + index  # choices differ, runs repeat
-        seq = Sequence(list(ids), params, stream, detok, list(hashes), index=index, seed=seed)
-        seq.max_tokens = max_tokens
-        if constraint is not None:  # each choice its own matcher: their outputs differ
-            seq.matcher = xgr.GrammarMatcher(constraint.grammar)
-            seq.grammar_gate = constraint.start_after
-        return seq
+        return Sequence(request, stream.sender(), detok, index, siblings)
 
     # the loop
 
@@ -165,7 +145,7 @@ class Engine:
         result_tx, result_rx = anyio.create_memory_object_stream[StepOutput](1)
         self._wakeup = anyio.Event()
         try:
-            async with anyio.create_task_group() as tg, step_tx, result_rx:
+            async with anyio.create_task_group() as tg, step_tx, result_rx, self.kv_events or contextlib.nullcontext():
                 await tg.start(self.worker.run, step_rx, result_tx)
                 self.is_running = True
                 self.error = None
@@ -207,6 +187,8 @@ class Engine:
         result = await result_rx.receive()
         t2 = time.perf_counter()
         self._postprocess(batch, step, result)
+        if self.kv_events is not None and (events := self.block_manager.take_events()):
+            self.kv_events.publish(events)
         self._account(t1 - t0, result, time.perf_counter() - t2, batch)
 
     def _admit_inbox(self) -> None:
@@ -219,7 +201,7 @@ class Engine:
         sched = self.scheduler
         for seq in [*sched.running, *sched.waiting]:
             if seq.stream.is_abandoned:
-                self._abort(seq)
+                self._retire(seq)
 
     def _build_step(self, batch: ScheduledBatch) -> StepInput:
         input_ids: list[int] = []
@@ -269,7 +251,7 @@ class Engine:
         rejected = set(result.rejected)
         for i, (row, token, lp) in enumerate(zip(step.sample_rows, result.token_ids, result.logprobs, strict=True)):
             if i in rejected:  # cannot happen while the mask is applied; never run past a broken grammar
-                self._end_with_error(batch.seqs[row], f"token {token} violates the request's output grammar")
+                self._retire(batch.seqs[row], f"token {token} violates the request's output grammar")
             else:
                 self._append_token(batch.seqs[row], token, lp)
 
@@ -279,6 +261,8 @@ class Engine:
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
             self._release_siblings(seq)
+        if seq.reasoning_budget is not None:
+            token, lp = _within_reasoning_budget(seq, token, lp)
         seq.token_ids.append(token)
         if seq.grammar_gate and seq.token_ids[-len(seq.grammar_gate) :] == list(seq.grammar_gate):
             seq.grammar_gate = ()  # the reasoning block closed: the grammar applies from the next token
@@ -312,10 +296,10 @@ class Engine:
         try:
             seq.stream.send_nowait(delta)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-            self._abort(seq)
+            self._retire(seq)  # the reader left
             return
         if finish is not None:
-            self._finish(seq)
+            self._retire(seq)
 
     def _release_siblings(self, seq: Sequence) -> None:
         for sib in reversed(seq.siblings):
@@ -333,44 +317,23 @@ class Engine:
             "e2e": now - seq.arrival_time,
         }
 
-    def _finish(self, seq: Sequence) -> None:
-        self.scheduler.finish(seq)
-        seq.stream.close()
-        for sib in seq.siblings:  # never released (no token was produced)
-            sib.stream.close()
-        seq.siblings = []
-
-    def _abort(self, seq: Sequence) -> None:
-        for sib in seq.siblings:
-            sib.stream.close()
-        seq.siblings = []
-        self.scheduler.finish(seq)
-        seq.stream.close()
-
-    def _end_with_error(self, seq: Sequence, error: str) -> None:
-        with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
-            seq.stream.send_nowait(
-                Delta(
-                    index=seq.index,
-                    text="",
-                    token_ids=[],
-                    finish_reason="error",
-                    error=error,
-                    num_prompt_tokens=seq.num_prompt_tokens,
-                    num_output_tokens=seq.num_output_tokens,
-                )
-            )
-        for sib in seq.siblings:
-            self._end_with_error(sib, error)
+    def _retire(self, seq: Sequence, error: str | None = None) -> None:
+        """The one way out of the engine (finished, aborted or failed): the choices not yet
+        released end with it, with an error delta each when ``error`` is given; blocks are freed
+        and the senders closed, after which nothing refers to the sequences."""
+        for s in (seq, *seq.siblings):
+            if error is not None:
+                with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    s.stream.send_nowait(_error_delta(s, error))
+            s.stream.close()
         seq.siblings = []
         self.scheduler.finish(seq)
-        seq.stream.close()
 
     def _fail_batch(self, batch: ScheduledBatch, error: str) -> None:
         self.num_consecutive_failures += 1
         log.error("engine.step_failed", error=error, num_seqs=len(batch), consecutive=self.num_consecutive_failures)
         for seq in batch.seqs:
-            self._end_with_error(seq, f"model step failed: {error}")
+            self._retire(seq, f"model step failed: {error}")
         if self.num_consecutive_failures >= self.cfg.max_consecutive_step_failures:
             self.error = f"{self.num_consecutive_failures} consecutive model steps failed; last: {error}"
             raise RuntimeError(self.error)
@@ -378,7 +341,7 @@ class Engine:
     def _end_all(self, error: str) -> None:
         sched = self.scheduler
         for seq in [*sched.running, *sched.waiting, *self._inbox]:
-            self._end_with_error(seq, error)
+            self._retire(seq, error)
         self._inbox.clear()
 
     def _account(self, schedule_s: float, result: StepOutput, post_s: float, batch: ScheduledBatch) -> None:
@@ -394,3 +357,29 @@ class Engine:
 
 def _is_terminated(seq: Sequence) -> bool:
     return seq.active_matcher is not None and seq.active_matcher.is_terminated()
+
+
+def _within_reasoning_budget(seq: Sequence, token: int, lp: Logprob | None) -> tuple[int, Logprob | None]:
+    """The token to append: past the budget, the reasoning block's end tag instead of the sampled
+    one (no logprob: the model did not choose it). Clears the budget once the block has closed."""
+    budget = seq.reasoning_budget
+    assert budget is not None
+    end = budget.end_token_ids
+    num_forced = seq.num_output_tokens - budget.num_tokens
+    if num_forced >= 0:
+        token, lp = end[num_forced], None
+    if num_forced >= len(end) - 1 or [*seq.token_ids[len(seq.token_ids) - len(end) + 1 :], token] == list(end):
+        seq.reasoning_budget = None
+    return token, lp
+
+
+def _error_delta(seq: Sequence, error: str) -> Delta:
+    return Delta(
+        index=seq.index,
+        text="",
+        token_ids=[],
+        finish_reason="error",
+        error=error,
+        num_prompt_tokens=seq.num_prompt_tokens,
+        num_output_tokens=seq.num_output_tokens,
+    )

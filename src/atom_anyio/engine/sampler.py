@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from atom_anyio.engine.sequence import Logprob
+from atom_anyio.engine.stream import Logprob
 from atom_anyio.sampling_params import SamplingParams
 
 _SEED_MASK = 0xFFFF_FFFF_FFFF

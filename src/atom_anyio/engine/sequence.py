@@ -1,4 +1,4 @@
-"""The one per-request state object, and the deltas it streams."""
+"""The one per-sequence state object: a prompt and its completion while it is in the engine."""
 
 from __future__ import annotations
 
@@ -7,13 +7,12 @@ import itertools
 import time
 import weakref
 from array import array
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
-
-from atom_anyio.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from atom_anyio.engine.detokenizer import IncrementalDetokenizer
+    from atom_anyio.engine.request import EngineRequest
     from atom_anyio.engine.stream import DeltaSender
 
 
@@ -21,32 +20,6 @@ class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-@dataclass
-class Logprob:
-    """The sampled token's logprob and the top alternatives at that position."""
-
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]
-
-
-@dataclass
-class Delta:
-    """What one step produced for one sequence (choice ``index``)."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[Logprob] | None = None
-    finish_reason: str | None = None  # "stop", "length", "abort", "error"
-    stop_reason: str | int | None = None  # the stop string or token id that matched
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_output_tokens: int = 0
-    error: str | None = None
-    metrics: dict[str, float] = field(default_factory=dict)
 
 
 _seq_ids = itertools.count()
@@ -64,37 +37,37 @@ class Sequence:
 
     def __init__(
         self,
-        token_ids: list[int],
-        params: SamplingParams,
+        request: EngineRequest,
         stream: DeltaSender,
         detokenizer: IncrementalDetokenizer,
-        block_hashes: list[int],
         index: int = 0,
-        seed: int | None = None,
+        siblings: Iterable[Sequence] = (),
     ):
+        params = request.params
+        constraint = request.constraint
         self.seq_id = next(_seq_ids)
-        self.index = index
-        self.token_ids = token_ids  # prompt then generated; owned here
-        self.num_prompt_tokens = len(token_ids)
+        self.index = index  # the choice's index in its request
+        self.token_ids = list(request.prompt_token_ids)  # prompt then generated; owned here
+        self.num_prompt_tokens = len(self.token_ids)
         self.params = params
-        self.seed = seed
+        self.max_tokens = request.max_tokens
+        self.seed = None if params.seed is None else params.seed + index  # choices differ, runs repeat
         self.stream = stream
         self.detokenizer = detokenizer
-        self.block_hashes = block_hashes  # chained hash of every full block
+        self.block_hashes = list(request.block_hashes)  # chained hash of every full block
         self.block_table = array("i")  # block ids; an int32 buffer the worker reads without a copy
         self.num_computed_tokens = 0
         self.num_committed_blocks = 0  # leading blocks already published to the prefix cache
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
         self.status = Status.WAITING
-        self.max_tokens = params.max_tokens or 0
-        self.siblings: list[Sequence] = []  # the other choices of an n > 1 request, until released
+        self.siblings = list(siblings)  # the other choices of an n > 1 request, until released
         self.arrival_time = time.monotonic()
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
-        self.extra: dict[str, Any] = {}
-        self.matcher: Any = None  # an xgrammar GrammarMatcher when the output is constrained
+        self.matcher: Any = constraint.new_matcher() if constraint else None  # an xgrammar GrammarMatcher
         # token ids the output must end with before the matcher applies (a reasoning end tag); () once it has
-        self.grammar_gate: tuple[int, ...] = ()
+        self.grammar_gate: tuple[int, ...] = constraint.start_after if constraint else ()
+        self.reasoning_budget = request.reasoning_budget  # None once the reasoning block has closed
         _alive.add(self)
 
     def __len__(self) -> int:

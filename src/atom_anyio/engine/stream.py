@@ -14,10 +14,51 @@ how the engine learns to abort the request.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import anyio
 
-from atom_anyio.engine.sequence import Delta
+
+@dataclass
+class Logprob:
+    """The sampled token's logprob and the top alternatives at that position."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class Delta:
+    """What one step produced for one sequence (choice ``index``)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[Logprob] | None = None
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"
+    stop_reason: str | int | None = None  # the stop string or token id that matched
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    error: str | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def merge(self, new: Delta) -> None:
+        """``new`` (a later delta of the same choice) appended: one delta saying both.
+        The one fold of deltas: a slow reader's pending ones, a whole response's, offline results."""
+        self.text += new.text
+        self.token_ids.extend(new.token_ids)  # the engine makes fresh lists for every delta
+        if new.logprobs:
+            self.logprobs = [*(self.logprobs or []), *new.logprobs]
+        self.num_prompt_tokens = new.num_prompt_tokens
+        self.num_cached_tokens = new.num_cached_tokens
+        self.num_output_tokens = new.num_output_tokens
+        if new.finish_reason is not None:
+            self.finish_reason, self.stop_reason, self.error = new.finish_reason, new.stop_reason, new.error
+        if new.metrics:
+            self.metrics = new.metrics
 
 
 class DeltaStream:
@@ -83,7 +124,7 @@ class DeltaStream:
     def _merge(self, delta: Delta) -> bool:
         for last in reversed(self.pending):
             if last.index == delta.index:
-                merge_into(last, delta)
+                last.merge(delta)
                 return True
         return False
 
@@ -121,16 +162,15 @@ class DeltaSender:
             self._stream = None
 
 
-def merge_into(last: Delta, new: Delta) -> None:
-    """``new`` appended to ``last`` (same choice): one delta saying both."""
-    last.text += new.text
-    last.token_ids.extend(new.token_ids)  # the engine makes fresh lists for every delta
-    if new.logprobs:
-        last.logprobs = [*(last.logprobs or []), *new.logprobs]
-    last.num_prompt_tokens = new.num_prompt_tokens
-    last.num_cached_tokens = new.num_cached_tokens
-    last.num_output_tokens = new.num_output_tokens
-    if new.finish_reason is not None:
-        last.finish_reason, last.stop_reason, last.error = new.finish_reason, new.stop_reason, new.error
-    if new.metrics:
-        last.metrics = new.metrics
+async def collect(stream: DeltaStream, num_choices: int, on_delta: Callable[[Delta], None]) -> list[Delta | None]:
+    """Every choice of a request folded into one delta each (None: a choice that never reported),
+    calling ``on_delta`` on each delta as it arrives. Closes the stream."""
+    choices: list[Delta | None] = [None] * num_choices
+    async with stream:
+        async for d in stream:
+            on_delta(d)
+            if (whole := choices[d.index]) is None:
+                choices[d.index] = Delta(d.index, "", [])
+                whole = choices[d.index]
+            whole.merge(d)
+    return choices

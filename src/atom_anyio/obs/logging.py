@@ -63,6 +63,14 @@ def access_fields(_: Any, __: str, event: EventDict) -> EventDict:
     return event
 
 
+def log_to_stderr_by_default() -> None:
+    """Until something configures structlog (``configure_logging``, or the application embedding the
+    engine), its lines go to stderr instead of structlog's default, stdout: stdout carries results
+    (``atom-anyio generate`` prints the completions there)."""
+    if not structlog.is_configured():
+        structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+
+
 def configure_logging(fmt: str = "auto", level: str = "info", stream: TextIO | None = None) -> None:
     """``fmt``: json, console, or auto (console when ``stream`` is a TTY).
     ``stream`` defaults to stderr. Safe to call again: it replaces its handler."""

@@ -47,8 +47,8 @@ class LogSummary:
         self.warnings: Counter[str] = Counter()
         self.windows: dict[int, Window] = {}
         self.slowest: list[tuple[float, int, dict]] = []  # min-heap on e2e
-        self.first_t: float | None = None
-        self.last_t: float | None = None
+        self.first_t: float | None = None  # the first finished request: time 0 of the windows
+        self.end_t: float | None = None  # the latest line of any kind: the log ran until then
 
     def add_line(self, line: str) -> None:
         self.num_lines += 1
@@ -60,6 +60,8 @@ class LogSummary:
             self.num_skipped += 1
             return
         name = event.get("event")
+        if (t := parse_time(event.get("timestamp"))) is not None:
+            self.end_t = t if self.end_t is None else max(self.end_t, t)
         if name == "request.finished":  # every request has one, refused ones too
             self.add_request(event)
         elif name == "http.access":
@@ -76,12 +78,11 @@ class LogSummary:
             return
         if self.first_t is None:
             self.first_t = t
-        self.last_t = t if self.last_t is None else max(self.last_t, t)
         outcome = event.get("outcome", "?")
         is_ok = outcome == "ok"
         self.outcomes[outcome] += 1
         self.endpoints[event.get("endpoint", "?")] += 1
-        self.finish_reasons[str(event.get("finish_reason"))] += 1
+        self.finish_reasons[event.get("finish_reason") or outcome] += 1  # nothing generated: say why
         if not is_ok:
             self.errors[f"request {event.get('endpoint')} {outcome} {event.get('status')}"] += 1
         else:
@@ -102,7 +103,7 @@ class LogSummary:
                 heapq.heapreplace(self.slowest, entry)
 
     def result(self) -> dict[str, Any]:
-        span = (self.last_t - self.first_t) if self.first_t is not None else 0.0
+        span = max(0.0, self.end_t - self.first_t) if self.first_t is not None else 0.0
         num_requests = self.outcomes.total()
         num_generated = sum(w.num_generated_tokens for w in self.windows.values())
         return {
@@ -126,15 +127,15 @@ class LogSummary:
     def _window_row(self, i: int, span: float) -> dict[str, Any]:
         w = self.windows[i]
         start = i * self.window_s
-        duration = min(self.window_s, span - start) if span - start > 0 else self.window_s  # the last is partial
+        duration = max(0.0, min(self.window_s, span - start))  # the last one ends where the log does
         ttft = distribution(w.ttft_s)
         return {
             "start_s": start,
             "duration_s": duration,
             "requests": w.num_requests,
             "errors": w.num_errors,
-            "requests_per_s": w.num_requests / duration,
-            "generated_tok_per_s": w.num_generated_tokens / duration,
+            "requests_per_s": w.num_requests / duration if duration else None,
+            "generated_tok_per_s": w.num_generated_tokens / duration if duration else None,
             "ttft_p50_s": ttft.get("p50"),
             "ttft_p90_s": ttft.get("p90"),
             "ttft_p99_s": ttft.get("p99"),
@@ -199,8 +200,8 @@ def print_summary(s: dict[str, Any], out: TextIO | None = None) -> None:
     p(f"  {'start s':>8}{'requests':>10}{'errors':>8}{'req/s':>9}{'gen tok/s':>11}{'TTFT p50':>10}{'TTFT p99':>10}")
     for w in s["windows"]:
         p(
-            f"  {w['start_s']:>8.0f}{w['requests']:>10}{w['errors']:>8}{w['requests_per_s']:>9.2f}"
-            f"{w['generated_tok_per_s']:>11.1f}{_g(w['ttft_p50_s']):>10}{_g(w['ttft_p99_s']):>10}"
+            f"  {w['start_s']:>8.0f}{w['requests']:>10}{w['errors']:>8}{_f(w['requests_per_s'], 2):>9}"
+            f"{_f(w['generated_tok_per_s'], 1):>11}{_g(w['ttft_p50_s']):>10}{_g(w['ttft_p99_s']):>10}"
         )
     p(f"\nslowest {len(s['slowest'])} (end to end)")
     for r in s["slowest"]:
@@ -213,6 +214,10 @@ def print_summary(s: dict[str, Any], out: TextIO | None = None) -> None:
 
 def _g(value: float | None) -> str:
     return "-" if value is None else f"{value:.4g}"
+
+
+def _f(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def plot(s: dict[str, Any], out: str | Path) -> None:
@@ -229,10 +234,12 @@ def plot(s: dict[str, Any], out: str | Path) -> None:
     ax_ttft.set_ylabel("seconds")
     ax_ttft.set_title(f"time to first token per {s['window_s']:g} s window")
     ax_ttft.legend()
-    ax_tput.plot(minutes, [w["generated_tok_per_s"] for w in s["windows"]], marker=".", color="tab:green")
+    ax_tput.plot(minutes, [_nan(w["generated_tok_per_s"]) for w in s["windows"]], marker=".", color="tab:green")
     ax_tput.set_ylabel("generated tok/s", color="tab:green")
     ax_req = ax_tput.twinx()
-    ax_req.plot(minutes, [w["requests_per_s"] for w in s["windows"]], marker=".", linestyle="--", color="tab:purple")
+    ax_req.plot(
+        minutes, [_nan(w["requests_per_s"]) for w in s["windows"]], marker=".", linestyle="--", color="tab:purple"
+    )
     ax_req.set_ylabel("requests/s", color="tab:purple")
     ax_tput.set_xlabel("minutes since the first finished request")
     ax_tput.set_title("throughput")

@@ -15,9 +15,16 @@ import jinja2
 
 from atom_anyio.engine.block_hash import block_hash_chain
 from atom_anyio.engine.grammar import Constraint
-from atom_anyio.prompt.render import RESERVED_TEMPLATE_VARIABLES, compile_chat_template, render_chat
+from atom_anyio.engine.request import EngineRequest
+from atom_anyio.prompt.render import (
+    RESERVED_TEMPLATE_VARIABLES,
+    compile_chat_template,
+    default_tools,
+    reads_tools,
+    render_chat,
+)
 from atom_anyio.prompt.segment_cache import SegmentCache, Tokenized
-from atom_anyio.sampling_params import StructuredOutputs
+from atom_anyio.sampling_params import SamplingParams, StructuredOutputs
 
 CONTEXT_OVERFLOW_POLICIES = ("error", "drop_oldest")
 TRUNCATION_MODES = ("disabled", "auto", "drop_oldest")
@@ -71,6 +78,22 @@ class PrepareContext:
     chat_template: str | Mapping[str, str] | None = None  # None: the tokenizer's
     default_chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     context_overflow: str = "error"  # or "drop_oldest": drop the oldest messages of a chat that does not fit
+    max_kv_tokens: int | None = None  # the most one sequence can hold in the engine's KV pool; None: no bound
+    model_vocab_size: int | None = None  # the model's embedding rows (the bound on token ids); None: the tokenizer's
+    default_max_tokens: int | None = None  # for a request without max_tokens (the model's max_new_tokens); None: no cap
+
+    @classmethod
+    def for_engine(cls, engine: Any, tokenizer: Any, **kwargs: Any) -> PrepareContext:
+        """The context an ``Engine`` serves: its context length, block size, pool and vocabulary."""
+        return cls(
+            tokenizer=tokenizer,
+            segment_cache=kwargs.pop("segment_cache", None) or SegmentCache(tokenizer),
+            max_model_len=engine.max_model_len,
+            block_size=engine.cfg.block_size,
+            max_kv_tokens=engine.max_kv_tokens,
+            model_vocab_size=engine.model_config.vocab_size,
+            **kwargs,
+        )
 
     def __post_init__(self) -> None:
         if self.context_overflow not in CONTEXT_OVERFLOW_POLICIES:
@@ -101,15 +124,22 @@ class PrepareContext:
 
     @functools.cached_property
     def vocab_size(self) -> int:
-        return len(self.tokenizer)
+        return self.model_vocab_size or len(self.tokenizer)
 
     def template_for(self, tools: list[dict] | None) -> jinja2.Template:
+        return compile_chat_template(self._source_for(tools))
+
+    def reads_tools(self, tools: list[dict] | None) -> bool:
+        """Whether the template ``template_for(tools)`` renders tools itself; else they take the default format."""
+        return reads_tools(self._source_for(tools))
+
+    def _source_for(self, tools: list[dict] | None) -> str:
         source = self.template_sources
         if isinstance(source, Mapping):
             source = source.get("tool_use") if tools and "tool_use" in source else source.get("default")
         if source is None:
             raise PromptError("this model has no chat template; send a raw prompt instead", param="messages")
-        return compile_chat_template(source)
+        return source
 
 
 @dataclass(frozen=True)
@@ -140,14 +170,33 @@ def prepare_prompt(request: PromptRequest, ctx: PrepareContext) -> PreparedPromp
     token_ids, text = _truncate_tokens(request, ctx, token_ids, text)
     if len(token_ids) + request.num_reserved_output_tokens > ctx.max_model_len:
         raise _context_length_error(request, ctx, len(token_ids), num_dropped)
+    max_tokens = request.max_tokens
+    if max_tokens is None:  # the rest of the context, or less where the model says so
+        max_tokens = min(ctx.max_model_len - len(token_ids), ctx.default_max_tokens or ctx.max_model_len)
+    if ctx.max_kv_tokens is not None and len(token_ids) + max_tokens > ctx.max_kv_tokens:
+        raise PromptError(
+            f"The request needs {len(token_ids) + max_tokens} tokens of KV cache ({len(token_ids)} in the "
+            f"{request.param}, {max_tokens} in the completion) but the pool holds {ctx.max_kv_tokens}.",
+            code="context_length_exceeded",
+            param=request.param,
+        )
     return PreparedPrompt(
         token_ids=token_ids,
         text=text,
         block_hashes=block_hash_chain(token_ids, ctx.block_size),
-        max_tokens=request.max_tokens if request.max_tokens is not None else ctx.max_model_len - len(token_ids),
+        max_tokens=max_tokens,
         num_segment_cache_hit_tokens=num_hits,
         num_dropped_messages=num_dropped,
     )
+
+
+def engine_request(prepared: PreparedPrompt, params: SamplingParams, ctx: PrepareContext) -> EngineRequest:
+    """The engine's request for a prepared prompt: the sampling's token ids checked against the
+    vocabulary here, once (the prompt's were checked when it was prepared)."""
+    for param, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+        if any(not 0 <= t < ctx.vocab_size for t in ids):
+            raise PromptError(f"{param} token ids must be in [0, {ctx.vocab_size})", param=param)
+    return EngineRequest(prepared.token_ids, prepared.block_hashes, params, prepared.max_tokens, prepared.constraint)
 
 
 def tokenize_prompt(request: PromptRequest, ctx: PrepareContext) -> list[int]:
@@ -197,6 +246,7 @@ def _prepare_chat(request: PromptRequest, ctx: PrepareContext) -> tuple[str, lis
     render = functools.partial(
         _render_tokenize,
         template=ctx.template_for(request.tools),
+        reads_tools=ctx.reads_tools(request.tools),
         request=request,
         template_kwargs={**ctx.template_globals, **(request.chat_template_kwargs or {})},
         segment_cache=ctx.segment_cache,
@@ -213,15 +263,19 @@ def _render_tokenize(
     messages: Sequence[Mapping[str, Any]],
     *,
     template: jinja2.Template,
+    reads_tools: bool,
     request: PromptRequest,
     template_kwargs: Mapping[str, Any],
     segment_cache: SegmentCache,
 ) -> tuple[str, Tokenized]:
+    tools = request.tools
+    if not reads_tools:
+        messages, tools = default_tools(messages, tools), None
     try:
         text = render_chat(
             template,
             messages,
-            tools=request.tools,
+            tools=tools,
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
             template_kwargs=template_kwargs,

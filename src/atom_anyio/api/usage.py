@@ -1,0 +1,43 @@
+"""A request's token counts and timings, folded from its deltas as they arrive."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from atom_anyio.engine.stream import Delta
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+    inter_token_gaps: list[float] = field(default_factory=list)  # between deltas, as the client sees them
+    finish_reason: str | None = None  # the last choice to finish
+    _last_delta_at: float | None = None
+
+    def add(self, d: Delta) -> None:
+        """Fold one delta in (prompt counts are per choice, the same for all)."""
+        self.prompt_tokens = max(self.prompt_tokens, d.num_prompt_tokens)
+        self.cached_tokens = max(self.cached_tokens, d.num_cached_tokens)
+        self.completion_tokens += len(d.token_ids)
+        if d.token_ids:
+            at = time.perf_counter()
+            if self._last_delta_at is not None:
+                self.inter_token_gaps.append(at - self._last_delta_at)
+            self._last_delta_at = at
+        if d.metrics:
+            self.timings = d.metrics
+        if d.finish_reason is not None:
+            self.finish_reason = d.finish_reason
+
+    def openai(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }

@@ -1,0 +1,45 @@
+"""What the engine accepts: one typed request per prompt, validated before it arrives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from atom_anyio.engine.block_hash import block_hash_chain
+from atom_anyio.engine.grammar import Constraint
+from atom_anyio.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ReasoningBudget:
+    """After ``num_tokens`` output tokens with the reasoning block still open, the next tokens are
+    ``end_token_ids`` (the block's end tag), whatever the model samples; then the answer follows."""
+
+    num_tokens: int
+    end_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One prompt and how to continue it. Built by ``prompt.prepare.engine_request``, where it is
+    checked against the context, the KV pool and the vocabulary; the engine only asserts."""
+
+    prompt_token_ids: list[int]
+    block_hashes: list[int]  # block_hash_chain(prompt_token_ids, block_size)
+    params: SamplingParams
+    max_tokens: int  # resolved once: the request's, or the rest of the context
+    constraint: Constraint | None = None  # a compiled grammar every choice's output follows
+    reasoning_budget: ReasoningBudget | None = None  # the prompt opened a reasoning block: close it in time
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @classmethod
+    def of_tokens(
+        cls, token_ids: list[int], params: SamplingParams, engine, constraint: Constraint | None = None
+    ) -> EngineRequest:
+        """For driving an ``Engine`` directly (benchmarks, tests): hashes and max_tokens filled in the
+        way ``prompt.prepare`` does. Nothing is checked: the caller keeps within the engine's limits."""
+        max_tokens = params.max_tokens or engine.max_model_len - len(token_ids)
+        hashes = block_hash_chain(token_ids, engine.cfg.block_size)
+        return cls(list(token_ids), hashes, params, max_tokens, constraint)
