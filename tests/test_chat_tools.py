@@ -405,14 +405,13 @@ async def test_default_flags_sdk_clients_receive_structured_tool_calls_over_http
             assert use.name == "get_weather" and use.input == json.loads(ARGUMENTS)
 
 
-def test_smollm2_renders_tools_in_the_default_format():
+def test_smollm2_renders_tools_in_the_default_format(smollm2_path):
     """SmolLM2's real tokenizer and template, through the same prepare path a request takes."""
-    from transformers import AutoTokenizer
-
+    from atom_anyio.models.loader import load_gguf_tokenizer
     from atom_anyio.prompt.prepare import PrepareContext, PromptRequest, prepare_prompt
     from atom_anyio.prompt.segment_cache import SegmentCache
 
-    tokenizer = AutoTokenizer.from_pretrained("/work/smollm2-hf")
+    tokenizer = load_gguf_tokenizer(smollm2_path)
     ctx = PrepareContext(tokenizer=tokenizer, segment_cache=SegmentCache(tokenizer), max_model_len=8192, block_size=16)
     assert not ctx.reads_tools([WEATHER_TOOL])
     text = prepare_prompt(PromptRequest(messages=HISTORY[:2], tools=[WEATHER_TOOL]), ctx).text
