@@ -11,6 +11,8 @@ import sys
 import pytest
 import torch
 
+from atom_anyio import LLM
+from atom_anyio.config import Config
 from atom_anyio.engine import kernels
 from atom_anyio.engine.attention import (
     AttentionMetadata,
@@ -196,13 +198,16 @@ def test_select_backend_names_and_refusals(monkeypatch):
         select_backend(torch.device("meta"), "cpu")
 
 
-def test_environment_variable_picks_the_backend(monkeypatch):
+def test_environment_variable_picks_the_offline_llms_backend(tiny_model_dir, monkeypatch):
     monkeypatch.setenv("ATOM_ATTENTION_BACKEND", "torch")
-    assert select_backend(torch.device("cpu")).name == "torch"
+    assert LLM(str(tiny_model_dir), num_kv_blocks=8).loaded.model.attention_backend.name == "torch"
+    assert Config.from_env().attention_backend == "torch"  # the server's, read in config.py
 
 
 FALLBACK = """
 import json, torch
+from atom_anyio import LLM
+from atom_anyio.config import Config
 from atom_anyio.engine import kernels
 from atom_anyio.engine.attention import select_backend
 error = kernels.load_cpu_kernels()

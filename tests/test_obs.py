@@ -193,8 +193,7 @@ async def test_vllm_request_gauges_show_a_running_and_a_waiting_request(tiny_mod
         assert value(during, "vllm:num_requests_waiting", **labels) == 1
 
 
-async def test_no_series_is_labelled_per_request_without_the_opt_in(tiny_model, monkeypatch):
-    monkeypatch.delenv("ATOM_METRICS_PER_REQUEST", raising=False)
+async def test_no_series_is_labelled_per_request_without_the_opt_in(tiny_model):
     async with serving(tiny_model) as atom:
         client = atom.quart.test_client()
         r = await client.post("/v1/chat/completions", json=chat(), headers={"x-request-id": "rid-not-a-label"})
@@ -204,9 +203,8 @@ async def test_no_series_is_labelled_per_request_without_the_opt_in(tiny_model, 
         assert "rid-not-a-label" not in text
 
 
-async def test_opt_in_per_request_gauge_lives_exactly_as_long_as_its_request(tiny_model, monkeypatch):
-    monkeypatch.setenv("ATOM_METRICS_PER_REQUEST", "1")
-    async with serving(tiny_model) as atom:
+async def test_opt_in_per_request_gauge_lives_exactly_as_long_as_its_request(tiny_model):
+    async with serving_app(tiny_model, max_model_len=2048, kv_cache_gib=0.05, metrics_per_request=True) as atom:
         client = atom.quart.test_client()
         engine = atom.runtime.engine
         result: dict[str, Any] = {}

@@ -52,6 +52,9 @@ class Config:
     malloc_arena_max: int = setting(2, "glibc malloc arenas; 0: glibc's default of 8 per core")
     grammar_compile_timeout_s: float = setting(10.0, "a structured-output grammar that takes longer is a 400")
     responses_store_max_items: int = setting(1000, "stored Responses, least recently used out first")
+    metrics_per_request: bool = setting(
+        False, "a context-tokens gauge labelled by request id while the request runs (debugging; bounded by it)"
+    )
     responses_store_ttl_s: float = setting(3600.0, "a stored Response expires this long after its last use")
     engine: EngineConfig = field(default_factory=EngineConfig)
 
@@ -104,6 +107,16 @@ class Config:
 
     def replace(self, **changes: Any) -> Config:
         return dataclasses.replace(self, **changes)
+
+
+def env_setting(name: str, environ: Mapping[str, str] | None = None) -> Any:
+    """One setting from its ``ATOM_<NAME>`` variable (None when unset), for the offline ``LLM``,
+    which takes no ``Config``."""
+    env = os.environ if environ is None else environ
+    for owner, f in all_settings():
+        if setting_name(f) == name and (raw := env.get(f"ATOM_{name.upper()}")):
+            return parse_setting(owner, f, raw, f"ATOM_{name.upper()}={raw}")
+    return None
 
 
 def all_settings() -> Iterator[tuple[type, dataclasses.Field]]:

@@ -13,6 +13,7 @@ from typing import Any
 
 import anyio
 
+from atom_anyio.config import env_setting
 from atom_anyio.engine.config import EngineConfig
 from atom_anyio.engine.loop import Engine
 from atom_anyio.engine.stream import Delta, Logprob, collect
@@ -63,7 +64,8 @@ class LLM:
         if isinstance(model, LoadedModel):
             self.loaded = model
         else:
-            self.loaded = load_model(model, dtype=dtype, device=device, attention_backend=attention_backend)
+            backend = attention_backend or env_setting("attention_backend")  # ATOM_ATTENTION_BACKEND
+            self.loaded = load_model(model, dtype=dtype, device=device, attention_backend=backend)
         self.engine = Engine(self.loaded, EngineConfig(**engine_kwargs))
         self.tokenizer = self.loaded.tokenizer
         self.prepare_ctx = PrepareContext.for_engine(

@@ -283,7 +283,7 @@ async def serving(
         prepare_ctx = await anyio.to_thread.run_sync(_prepare_context, config, loaded, engine)
     with _phase("grammars.ready"):
         grammars = await anyio.to_thread.run_sync(_grammars, config, loaded, engine)
-    metrics = Metrics()
+    metrics = Metrics(per_request=config.metrics_per_request)
     runtime = Runtime(
         config=config,
         loaded=loaded,

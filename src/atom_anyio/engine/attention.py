@@ -264,11 +264,10 @@ class CpuPagedAttention:
 
 
 def select_backend(device: torch.device, name: str | None = None, head_dim: int | None = None) -> AttentionBackend:
-    """The attention backend for ``device``: ``name``, else ``ATOM_ATTENTION_BACKEND``,
-    else ``auto``: the first of ``auto_candidates(device)`` that runs there, each
+    """The attention backend for ``device``: ``name``, else ``auto``: the first of ``auto_candidates(device)`` that runs there, each
     fallback logged. An explicitly named backend that cannot run is a one-line
     error, never a silent fallback."""
-    name = name or os.environ.get("ATOM_ATTENTION_BACKEND") or "auto"
+    name = name or "auto"
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, not {name!r}")
     device = torch.device(device)

@@ -1,12 +1,11 @@
 """Prometheus metrics. A fixed set of series: nothing is labelled per
-request (unless ``ATOM_METRICS_PER_REQUEST=1``, whose series are removed when
+request (unless ``metrics_per_request`` is set, whose series are removed when
 their request ends), so rendering ``/metrics`` costs the same after a million
 requests as after ten. Engine state is read when scraped, never pushed per step."""
 
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -122,7 +121,7 @@ class AdmissionCollector(Collector):
 
 
 class Metrics:
-    def __init__(self, per_request: bool | None = None) -> None:
+    def __init__(self, per_request: bool = False) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter(
             "atom_requests", "Requests by endpoint and outcome", ["endpoint", "outcome"], registry=r
@@ -156,8 +155,6 @@ class Metrics:
             "atom_requests_rejected", "Requests refused at admission, by reason", ["reason"], registry=r
         )
         self.gc_pause = Histogram("atom_gc_pause_seconds", "GC pauses", ["generation"], buckets=GC_BUCKETS, registry=r)
-        if per_request is None:
-            per_request = os.environ.get("ATOM_METRICS_PER_REQUEST", "") in ("1", "true", "yes")
         self.context_tokens = (
             Gauge("atom_request_context_tokens", "Context tokens of a running request", ["request_id"], registry=r)
             if per_request
