@@ -142,7 +142,7 @@ class LLM:
         return results  # type: ignore[return-value]
 
     async def _collect(self, i, text, request, results, bar) -> None:
-        choices = await collect(self.engine.submit(request), request.params.n, lambda d: None)
+        choices = await collect(self.engine.submit(request), request.params.n)
         wants_logprobs = request.params.logprobs is not None
         outs = [_output(k, d, wants_logprobs) for k, d in enumerate(choices)]
         cached = max((d.num_cached_tokens for d in choices if d is not None), default=0)

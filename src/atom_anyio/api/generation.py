@@ -72,15 +72,6 @@ class Deltas:
         return d
 
 
-async def collect(deltas: Deltas, num_choices: int) -> list[Delta]:
-    """Every choice of a request, whole (non-streaming responses)."""
-    choices: list[Delta] = [Delta(i, "", []) for i in range(num_choices)]
-    async with deltas:
-        async for d in deltas:
-            choices[d.index].merge(d)
-    return choices
-
-
 async def stream_body(encoder: Encoder, stream: DeltaStream, admission: Admission) -> AsyncIterator[str]:
     """An SSE body: the encoder's events, an error event if the engine fails mid-stream,
     then the request is finished (the headers went out with 200 before the body)."""

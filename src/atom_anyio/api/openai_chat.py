@@ -9,12 +9,12 @@ from typing import Any
 from quart import Blueprint
 
 from atom_anyio.api.errors import APIError
-from atom_anyio.api.generation import Deltas, TokenText, collect
+from atom_anyio.api.generation import Deltas, TokenText
 from atom_anyio.api.http import new_id, now, parse_body, sse
 from atom_anyio.api.openai_schemas import ChatCompletionRequest
 from atom_anyio.api.runtime import Runtime
 from atom_anyio.api.usage import Usage
-from atom_anyio.engine.stream import Delta, DeltaStream, Logprob
+from atom_anyio.engine.stream import Delta, DeltaStream, Logprob, collect
 from atom_anyio.parse import OutputParser, ParsedDelta, ToolCall, ToolCallDelta
 from atom_anyio.prompt.prepare import PreparedPrompt, PromptRequest
 from atom_anyio.sampling_params import SamplingParams

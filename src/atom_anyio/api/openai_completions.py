@@ -7,13 +7,13 @@ from typing import Any
 
 from quart import Blueprint
 
-from atom_anyio.api.generation import Deltas, collect
+from atom_anyio.api.generation import Deltas
 from atom_anyio.api.http import parse_body, sse
 from atom_anyio.api.openai_chat import OpenAIEncoder, openai_finish_reason
 from atom_anyio.api.openai_schemas import CompletionRequest
 from atom_anyio.api.runtime import Runtime
 from atom_anyio.api.structured import only_one
-from atom_anyio.engine.stream import Delta, DeltaStream, Logprob
+from atom_anyio.engine.stream import Delta, DeltaStream, Logprob, collect
 from atom_anyio.prompt.prepare import PreparedPrompt, PromptRequest
 from atom_anyio.sampling_params import SamplingParams
 

@@ -14,8 +14,8 @@ how the engine learns to abort the request.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import anyio
 
@@ -162,15 +162,13 @@ class DeltaSender:
             self._stream = None
 
 
-async def collect(stream: DeltaStream, num_choices: int, on_delta: Callable[[Delta], None]) -> list[Delta | None]:
-    """Every choice of a request folded into one delta each (None: a choice that never reported),
-    calling ``on_delta`` on each delta as it arrives. Closes the stream."""
+async def collect(stream: DeltaStream | Any, num_choices: int) -> list[Delta | None]:
+    """Every choice of a request folded into one delta each (None: a choice that never reported).
+    ``stream``: a ``DeltaStream`` or anything iterated the same way (the API's ``Deltas``); closed."""
     choices: list[Delta | None] = [None] * num_choices
     async with stream:
         async for d in stream:
-            on_delta(d)
             if (whole := choices[d.index]) is None:
-                choices[d.index] = Delta(d.index, "", [])
-                whole = choices[d.index]
+                whole = choices[d.index] = Delta(d.index, "", [])
             whole.merge(d)
     return choices
