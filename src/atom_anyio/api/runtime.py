@@ -10,6 +10,7 @@ within ``drain_timeout_s``) and cancels the loop.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import time
 from collections.abc import AsyncIterator, Callable
@@ -201,7 +202,12 @@ class Runtime:
         tags = self.parser_spec.reasoning_tags
         if tags is None or not opens_reasoning(prompt_text, tags):
             return ()
-        return tuple(self.loaded.tokenizer.encode(tags[1], add_special_tokens=False))
+        return self._reasoning_end_ids
+
+    @functools.cached_property
+    def _reasoning_end_ids(self) -> tuple[int, ...]:
+        """The reasoning end tag's tokens, encoded once."""
+        return tuple(self.loaded.tokenizer.encode(self.parser_spec.reasoning_tags[1], add_special_tokens=False))
 
     def _engine_request(self, prepared: PreparedPrompt, params: SamplingParams) -> EngineRequest:
         """The engine's input; a reasoning budget applies where the prompt leaves the block open."""
