@@ -40,6 +40,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
+    prompt_logprobs: list[Logprob | None] | None = None  # SamplingParams.prompt_logprobs: None for the first token
 
     @property
     def finished(self) -> bool:
@@ -146,7 +147,8 @@ class LLM:
         wants_logprobs = request.params.logprobs is not None
         outs = [_output(k, d, wants_logprobs) for k, d in enumerate(choices)]
         cached = max((d.num_cached_tokens for d in choices if d is not None), default=0)
-        results[i] = RequestOutput(text, request.prompt_token_ids, outs, num_cached_tokens=cached)
+        prompt_logprobs = next((d.prompt_logprobs for d in choices if d is not None and d.prompt_logprobs), None)
+        results[i] = RequestOutput(text, request.prompt_token_ids, outs, cached, prompt_logprobs)
         bar.update(1)
 
 

@@ -19,7 +19,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None  # number of top alternatives; 0 = the sampled token only
-    max_tokens: int | None = 16  # None: the rest of the context
+    prompt_logprobs: int | None = None  # the same for every prompt token (vLLM's); computed in the prefill
+    max_tokens: int | None = 16  # None: the rest of the context; 0: the prompt only (its prompt logprobs)
     min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -44,9 +45,10 @@ class SamplingParams:
             ("repetition_penalty", self.repetition_penalty > 0),
             ("presence_penalty", -2 <= self.presence_penalty <= 2),
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2),
-            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1),
+            ("max_tokens", self.max_tokens is None or self.max_tokens >= 0),
             ("min_tokens", self.min_tokens >= 0),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20),
+            ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20),
         ):
             if not ok:
                 raise ValueError(f"invalid {name}: {getattr(self, name)!r}")

@@ -89,6 +89,23 @@ class OpenAIEncoder:
     def error_event(self, err: APIError) -> str:
         return openai_error_event(err)
 
+    def vllm_prompt_logprobs(self, lps: list[Logprob | None]) -> list[dict[str, Any] | None]:
+        """vLLM's ``prompt_logprobs``: per prompt token (None for the first), its own logprob, rank and
+        text, and the top alternatives', keyed by token id."""
+        out: list[dict[str, Any] | None] = []
+        for lp in lps:
+            if lp is None:
+                out.append(None)
+                continue
+            entry = {str(lp.token_id): self._vllm_logprob(lp.token_id, lp.logprob, lp.rank)}
+            for rank, (tid, value) in enumerate(lp.top, 1):
+                entry.setdefault(str(tid), self._vllm_logprob(tid, value, rank))
+            out.append(entry)
+        return out
+
+    def _vllm_logprob(self, token_id: int, value: float, rank: int | None) -> dict[str, Any]:
+        return {"logprob": value, "rank": rank, "decoded_token": self.token_text(token_id)[0]}
+
     def _object(self, name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": name, "created": self.created, "model": self.model, "choices": choices}
 
@@ -117,7 +134,10 @@ class ChatEncoder(OpenAIEncoder):
 
     async def response(self, stream: DeltaStream) -> dict[str, Any]:
         choices = await collect(Deltas(stream, self.usage, self.req.n), self.req.n)
-        return self.envelope([self._choice(c) for c in choices])
+        out = self.envelope([self._choice(c) for c in choices])
+        if self.req.prompt_logprobs is not None:  # one prompt: its logprobs once, as vLLM
+            out["prompt_logprobs"] = self.vllm_prompt_logprobs(choices[0].prompt_logprobs or [])
+        return out
 
     def _choice(self, c: Delta) -> dict[str, Any]:
         parser = self.new_parser()

@@ -59,18 +59,26 @@ class CompletionEncoder(OpenAIEncoder):
         # usage counts every prompt; Usage.add() only raises it to one prompt's count
         self.usage.prompt_tokens = sum(p.num_prompt_tokens for p in prepared)
         self.prompt_texts = [p.text or "" for p in prepared]
+        self.first_prompt_tokens = [p.token_ids[0] for p in prepared]
         if req.echo:
             decode = rt.loaded.tokenizer.decode
             self.prompt_texts = [p.text if p.text is not None else decode(p.token_ids) for p in prepared]
         self.num_choices = len(prepared) * req.n
 
-    def logprobs(self, lps: list[Logprob], offset: int) -> dict[str, Any]:
+    def logprobs(self, lps: list[Logprob | None], offset: int, first_token: int = -1) -> dict[str, Any]:
+        """OpenAI's legacy shape; ``None`` entries (the echoed prompt's first token) have no logprob.
+        Each position's alternatives include its own token, as OpenAI's and vLLM's do."""
         tokens, values, tops, offsets = [], [], [], []
         for lp in lps:
-            text, _ = self.token_text(lp.token_id)
+            text, _ = self.token_text(lp.token_id if lp is not None else first_token)
             tokens.append(text)
-            values.append(lp.logprob)
-            tops.append({self.token_text(t)[0]: v for t, v in lp.top})
+            values.append(lp.logprob if lp is not None else None)
+            if lp is None:
+                tops.append(None)
+            else:
+                top = {self.token_text(t)[0]: v for t, v in lp.top}
+                top.setdefault(text, lp.logprob)
+                tops.append(top)
             offsets.append(offset)
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
@@ -78,18 +86,35 @@ class CompletionEncoder(OpenAIEncoder):
     def _echo(self, index: int) -> str:
         return self.prompt_texts[index // self.req.n] if self.req.echo else ""
 
+    def _choice_logprobs(self, d: Delta, offset: int, *, first: bool) -> dict[str, Any] | None:
+        """The logprobs of a choice's delta: with echo, its first one leads with the prompt's."""
+        if self.req.logprobs is None:
+            return None
+        lps: list[Logprob | None] = list(d.logprobs or [])
+        if first and self.req.echo and d.prompt_logprobs:
+            lps = [*d.prompt_logprobs, *lps]
+        if not lps and not first:
+            return None
+        return self.logprobs(lps, offset, self.first_prompt_tokens[d.index // self.req.n])
+
+    def _prompt_logprobs(self, d: Delta) -> dict[str, Any]:
+        """vLLM's ``prompt_logprobs`` on a choice, when the request asked for them."""
+        if self.req.prompt_logprobs is None:
+            return {}
+        return {"prompt_logprobs": self.vllm_prompt_logprobs(d.prompt_logprobs or [])}
+
     async def response(self, stream: DeltaStream) -> dict[str, Any]:
         choices = await collect(Deltas(stream, self.usage, self.num_choices), self.num_choices)
         return self.envelope([self._choice(c) for c in choices])
 
     def _choice(self, c: Delta) -> dict[str, Any]:
-        lp = self.logprobs(c.logprobs or [], 0) if self.req.logprobs is not None else None
         return {
             "index": c.index,
             "text": self._echo(c.index) + c.text,
-            "logprobs": lp,
+            "logprobs": self._choice_logprobs(c, 0, first=True),
             "finish_reason": openai_finish_reason(c.finish_reason),
             "stop_reason": c.stop_reason,
+            **self._prompt_logprobs(c),
         }
 
     async def events(self, stream: DeltaStream) -> AsyncIterator[str]:
@@ -98,19 +123,17 @@ class CompletionEncoder(OpenAIEncoder):
         async with Deltas(stream, self.usage, self.num_choices) as deltas:
             async for d in deltas:
                 text = d.text
-                if d.index not in echoed:
+                first = d.index not in echoed
+                if first:
                     echoed.add(d.index)
                     text = self._echo(d.index) + text
-                lp = None
-                if self.req.logprobs is not None and d.logprobs:
-                    lp = self.logprobs(d.logprobs, offsets[d.index])
-                offsets[d.index] += len(d.text)
                 choice = {
                     "index": d.index,
                     "text": text,
-                    "logprobs": lp,
+                    "logprobs": self._choice_logprobs(d, offsets[d.index], first=first),
                     "finish_reason": openai_finish_reason(d.finish_reason),
                 }
+                offsets[d.index] += len(text)
                 yield sse(self.chunk([choice]))
         for event in self.usage_chunk_and_done():
             yield event

@@ -7,7 +7,7 @@ import json
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from atom_anyio.api.errors import APIError
 from atom_anyio.api.structured import bad, forced_tools, only_one, response_format, vllm_structured
@@ -70,6 +70,14 @@ class SamplingFields(Lenient):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's: the logprob of every prompt token (and this many alternatives), in the response's top level
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _prompt_logprobs_not_streamed(self) -> SamplingFields:
+        if self.prompt_logprobs is not None and self.stream:
+            raise bad("prompt_logprobs", "prompt logprobs are not available when 'stream' is true")
+        return self
 
     @field_validator("stop")
     @classmethod
@@ -101,6 +109,10 @@ class SamplingFields(Lenient):
     def wants_usage_on_every_chunk(self) -> bool:
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
+
     def sampling_params(
         self, max_tokens: int, num_logprobs: int | None, *, defaults: Mapping[str, Any]
     ) -> SamplingParams:
@@ -120,6 +132,7 @@ class SamplingFields(Lenient):
             frequency_penalty=self.frequency_penalty or 0.0,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
             logprobs=num_logprobs,
+            prompt_logprobs=self.num_prompt_logprobs,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             stop=self.stop,  # validated into a list
@@ -264,9 +277,9 @@ def _parse_arguments(call: dict[str, Any]) -> dict[str, Any]:
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0 with echo: the prompt alone (and its logprobs)
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = Field(None, ge=0, le=20)  # with echo, the prompt's tokens' too
     suffix: str | None = None
     best_of: int | None = None
 
@@ -291,12 +304,18 @@ class CompletionRequest(SamplingFields):
             raise ValueError("best_of is not supported; use n")
         return v
 
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
-        if v is not None and info.data.get("echo"):
-            raise ValueError("echo together with logprobs (prompt logprobs) is not supported")
-        return v
+    @model_validator(mode="after")
+    def _no_output_only_with_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise bad("max_tokens", "0 asks for no completion, which is only meaningful with 'echo' (the prompt alone)")
+        return self
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """vLLM's ``prompt_logprobs``, else with ``echo`` the ``logprobs`` of the echoed prompt (as vLLM)."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return self.logprobs if self.echo else None
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt

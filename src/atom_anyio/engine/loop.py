@@ -29,7 +29,7 @@ from atom_anyio.engine.sampler import SamplingInputs
 from atom_anyio.engine.scheduler import ScheduledBatch, Scheduler
 from atom_anyio.engine.sequence import Sequence, Status
 from atom_anyio.engine.stream import Delta, DeltaStream, Logprob
-from atom_anyio.engine.worker import StepInput, StepOutput, Worker, kv_bytes_per_token, kv_pool_bytes
+from atom_anyio.engine.worker import PromptRows, StepInput, StepOutput, Worker, kv_bytes_per_token, kv_pool_bytes
 from atom_anyio.models.loader import LoadedModel
 from atom_anyio.obs.kv_events import KVEventPublisher
 
@@ -209,14 +209,17 @@ class Engine:
         sample_rows: list[int] = []
         sampled: list[Sequence] = []
         context_lens = []
+        prompt_rows: list[PromptRows] = []
         for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens, strict=True)):
             start = seq.num_computed_tokens
+            if seq.computes_prompt_logprobs and (rows := _prompt_rows(seq, row, len(input_ids), start, n)):
+                prompt_rows.append(rows)
             input_ids += seq.token_ids[start : start + n]
             positions += range(start, start + n)
             context_lens.append(start + n)
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
-            if start + n == len(seq):
+            if start + n == len(seq) and seq.max_tokens > 0:
                 sample_rows.append(row)
                 sampled.append(seq)
         sampling = SamplingInputs(
@@ -237,6 +240,7 @@ class Engine:
             query_lens=batch.num_tokens,
             sample_rows=sample_rows,
             sampling=sampling,
+            prompt_rows=prompt_rows,
         )
 
     def _postprocess(self, batch: ScheduledBatch, step: StepInput, result: StepOutput) -> None:
@@ -244,10 +248,14 @@ class Engine:
             self._fail_batch(batch, result.error)
             return
         self.num_consecutive_failures = 0
+        for rows, lps in zip(step.prompt_rows, result.prompt_logprobs, strict=True):
+            batch.seqs[rows.row].prompt_logprobs += lps
         for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
             seq.num_computed_tokens += n
             if self.cfg.enable_prefix_caching:
                 self.block_manager.commit(seq)
+            if seq.max_tokens == 0 and not seq.num_uncomputed_tokens:
+                self._end_prefill_only(seq)
         rejected = set(result.rejected)
         for i, (row, token, lp) in enumerate(zip(step.sample_rows, result.token_ids, result.logprobs, strict=True)):
             if i in rejected:  # cannot happen while the mask is applied; never run past a broken grammar
@@ -290,6 +298,7 @@ class Engine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
             num_output_tokens=seq.num_output_tokens,
+            prompt_logprobs=seq.take_prompt_logprobs(),
         )
         if finish is not None:
             delta.metrics = self._request_metrics(seq)
@@ -303,8 +312,29 @@ class Engine:
 
     def _release_siblings(self, seq: Sequence) -> None:
         for sib in reversed(seq.siblings):
+            sib.prompt_logprobs = list(seq.prompt_logprobs)  # the same prompt: computed once, its prefix is cached
             self.scheduler.add(sib, front=True)
         seq.siblings = []
+
+    def _end_prefill_only(self, seq: Sequence) -> None:
+        """A request for the prompt alone (``max_tokens`` 0: its prompt logprobs) ends after its
+        prefill, with no token sampled; its choices end together, sharing one prefill."""
+        seq.first_token_time = time.monotonic()
+        for s in (seq, *seq.siblings):
+            s.prompt_logprobs = list(seq.prompt_logprobs)
+            delta = Delta(
+                index=s.index,
+                text="",
+                token_ids=[],
+                finish_reason="length",
+                num_prompt_tokens=s.num_prompt_tokens,
+                num_cached_tokens=seq.num_cached_tokens,
+                prompt_logprobs=s.take_prompt_logprobs(),
+                metrics=self._request_metrics(seq),
+            )
+            with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+                s.stream.send_nowait(delta)
+        self._retire(seq)
 
     @staticmethod
     def _request_metrics(seq: Sequence) -> dict[str, float]:
@@ -371,6 +401,17 @@ def _within_reasoning_budget(seq: Sequence, token: int, lp: Logprob | None) -> t
     if num_forced >= len(end) - 1 or [*seq.token_ids[len(seq.token_ids) - len(end) + 1 :], token] == list(end):
         seq.reasoning_budget = None
     return token, lp
+
+
+def _prompt_rows(seq: Sequence, row: int, flat_start: int, start: int, n: int) -> PromptRows | None:
+    """The rows of this chunk (positions ``start .. start + n - 1``) whose next prompt token's logprob
+    is not yet known: from the first missing one to the prompt's second last position."""
+    first = max(start, len(seq.prompt_logprobs) - 1)
+    end = min(start + n, seq.num_prompt_tokens - 1)
+    if first >= end:
+        return None
+    targets = seq.token_ids[first + 1 : end + 1]
+    return PromptRows(row, flat_start + first - start, targets, seq.num_prompt_logprobs)
 
 
 def _error_delta(seq: Sequence, error: str) -> Delta:

@@ -26,7 +26,7 @@ class EngineRequest:
     prompt_token_ids: list[int]
     block_hashes: list[int]  # block_hash_chain(prompt_token_ids, block_size)
     params: SamplingParams
-    max_tokens: int  # resolved once: the request's, or the rest of the context
+    max_tokens: int  # resolved once: the request's, or the rest of the context; 0: prefill only
     constraint: Constraint | None = None  # a compiled grammar every choice's output follows
     reasoning_budget: ReasoningBudget | None = None  # the prompt opened a reasoning block: close it in time
 
@@ -40,6 +40,6 @@ class EngineRequest:
     ) -> EngineRequest:
         """For driving an ``Engine`` directly (benchmarks, tests): hashes and max_tokens filled in the
         way ``prompt.prepare`` does. Nothing is checked: the caller keeps within the engine's limits."""
-        max_tokens = params.max_tokens or engine.max_model_len - len(token_ids)
+        max_tokens = engine.max_model_len - len(token_ids) if params.max_tokens is None else params.max_tokens
         hashes = block_hash_chain(token_ids, engine.cfg.block_size)
         return cls(list(token_ids), hashes, params, max_tokens, constraint)

@@ -69,7 +69,7 @@ class Scheduler:
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.num_preempted:
             seq = self.waiting[0]
-            hits = self.bm.match_prefix(seq) if self.prefix_caching else []
+            hits = self.bm.match_prefix(seq) if self.prefix_caching and not seq.computes_prompt_logprobs else []
             n = min(len(seq) - len(hits) * self.bm.block_size, budget)
             if not self.bm.can_admit(seq, n, hits):
                 break

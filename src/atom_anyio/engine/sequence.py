@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from atom_anyio.engine.detokenizer import IncrementalDetokenizer
     from atom_anyio.engine.request import EngineRequest
-    from atom_anyio.engine.stream import DeltaSender
+    from atom_anyio.engine.stream import DeltaSender, Logprob
 
 
 class Status(enum.Enum):
@@ -68,6 +68,11 @@ class Sequence:
         # token ids the output must end with before the matcher applies (a reasoning end tag); () once it has
         self.grammar_gate: tuple[int, ...] = constraint.start_after if constraint else ()
         self.reasoning_budget = request.reasoning_budget  # None once the reasoning block has closed
+        # prompt logprobs: top alternatives asked for (None: not asked); entry i is prompt token i's,
+        # from the logits at position i - 1 (None for the first); sent once, on the first delta
+        self.num_prompt_logprobs = params.prompt_logprobs
+        self.prompt_logprobs: list[Logprob | None] = [None] if params.prompt_logprobs is not None else []
+        self.prompt_logprobs_sent = params.prompt_logprobs is None
         _alive.add(self)
 
     def __len__(self) -> int:
@@ -92,6 +97,19 @@ class Sequence:
     @property
     def is_prefilling(self) -> bool:
         return self.num_uncomputed_tokens > 1
+
+    @property
+    def computes_prompt_logprobs(self) -> bool:
+        """Prompt logprobs are asked for and not all computed: no prefix-cache hit may skip their rows."""
+        return not self.prompt_logprobs_sent and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    def take_prompt_logprobs(self) -> list[Logprob | None] | None:
+        """The prompt logprobs, the first time (for the choice's first delta); None after, or if not asked."""
+        if self.prompt_logprobs_sent:
+            return None
+        self.prompt_logprobs_sent = True
+        out, self.prompt_logprobs = self.prompt_logprobs, []
+        return out
 
     @property
     def active_matcher(self) -> Any:

@@ -22,11 +22,13 @@ import anyio
 
 @dataclass
 class Logprob:
-    """The sampled token's logprob and the top alternatives at that position."""
+    """A token's logprob and the top alternatives at that position (a sampled token's, or a
+    prompt token's, whose ``rank`` in the vocabulary is also given: 1 for the likeliest)."""
 
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None
 
 
 @dataclass
@@ -44,6 +46,8 @@ class Delta:
     num_output_tokens: int = 0
     error: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    # on a choice's first delta when the request asked for them: one per prompt token, None for the first
+    prompt_logprobs: list[Logprob | None] | None = None
 
     def merge(self, new: Delta) -> None:
         """``new`` (a later delta of the same choice) appended: one delta saying both.
@@ -52,6 +56,8 @@ class Delta:
         self.token_ids.extend(new.token_ids)  # the engine makes fresh lists for every delta
         if new.logprobs:
             self.logprobs = [*(self.logprobs or []), *new.logprobs]
+        if new.prompt_logprobs is not None:
+            self.prompt_logprobs = new.prompt_logprobs
         self.num_prompt_tokens = new.num_prompt_tokens
         self.num_cached_tokens = new.num_cached_tokens
         self.num_output_tokens = new.num_output_tokens

@@ -22,9 +22,20 @@ from atom_anyio.engine.attention import AttentionMetadata, stage
 from atom_anyio.engine.config import EngineConfig
 from atom_anyio.engine.cuda_graphs import DecodeGraphs
 from atom_anyio.engine.grammar import accept_tokens, apply_masks
-from atom_anyio.engine.sampler import Sampler, SamplingInputs
+from atom_anyio.engine.sampler import MIN_LOGPROB, Sampler, SamplingInputs
 from atom_anyio.engine.stream import Logprob
 from atom_anyio.models.llama import LlamaForCausalLM
+
+
+@dataclass
+class PromptRows:
+    """Rows of one sequence's prefill chunk whose next token's logprob is asked for (prompt logprobs):
+    flattened rows ``start .. start + len(targets) - 1`` of the step, each followed by ``targets[j]``."""
+
+    row: int  # the sequence's row in the step
+    start: int  # its first row in the flattened input
+    targets: list[int]
+    num_top: int
 
 
 @dataclass
@@ -36,6 +47,7 @@ class StepInput:
     query_lens: list[int]
     sample_rows: list[int]  # which sequences sample a token this step
     sampling: SamplingInputs
+    prompt_rows: list[PromptRows] = field(default_factory=list)
 
 
 @dataclass
@@ -44,7 +56,12 @@ class StepOutput:
     logprobs: list[Logprob | None] = field(default_factory=list)
     error: str | None = None
     rejected: list[int] = field(default_factory=list)  # sample rows whose token their grammar refused
+    prompt_logprobs: list[list[Logprob]] = field(default_factory=list)  # one list per StepInput.prompt_rows entry
     timings: dict[str, float] = field(default_factory=dict)
+
+
+class WorkerFailed(RuntimeError):
+    """No later step can run (a rank of a tensor-parallel group is gone): the engine stops."""
 
 
 def kv_bytes_per_token(model: LlamaForCausalLM, dtype: torch.dtype) -> int:
@@ -77,6 +94,9 @@ def activation_bytes(cfg: EngineConfig, model: LlamaForCausalLM) -> int:
     width += 3 * mc.intermediate_size
     logits = cfg.max_num_seqs * mc.vocab_size * 4 * 4
     return 2 * (cfg.max_num_batched_tokens * width * itemsize + logits) + 512 * 2**20
+
+
+PROMPT_LOGITS_ROWS = 256
 
 
 class Worker:
@@ -120,11 +140,12 @@ class Worker:
             torch.set_num_threads(self.num_threads)
         t0 = time.perf_counter()
         graphs = self.graphs
-        every_row_samples = len(step.sample_rows) == len(step.query_lens)
+        every_row_samples = len(step.sample_rows) == len(step.query_lens) and not step.prompt_rows
+        prompt_logprobs: list[list[Logprob]] = []
         if graphs and every_row_samples and graphs.fits(step.block_tables, step.context_lens, step.query_lens):
             logits = self.graphs.logits(step.input_ids, step.block_tables, step.context_lens)
         else:
-            logits = self.forward(step)
+            logits, prompt_logprobs = self.forward(step)
         if not torch.isfinite(logits).all():
             raise FloatingPointError("non-finite logits")
         t1 = time.perf_counter()
@@ -134,21 +155,56 @@ class Worker:
         rejected = accept_tokens(matchers, rows, out.token_ids) if rows else []
         t2 = time.perf_counter()
         timings = {"forward": t1 - t0, "sample": t2 - t1}
-        return StepOutput(out.token_ids, out.logprobs, rejected=rejected, timings=timings)
+        return StepOutput(out.token_ids, out.logprobs, rejected=rejected, timings=timings, prompt_logprobs=prompt_logprobs)
 
-    def forward(self, step: StepInput) -> torch.Tensor:
-        """float32 logits of the step's sample rows."""
+    def forward(self, step: StepInput) -> tuple[torch.Tensor, list[list[Logprob]]]:
+        """float32 logits of the step's sample rows, and the logprobs its prompt rows asked for."""
         dev = self.device
         meta = AttentionMetadata.build(step.block_tables, step.context_lens, step.query_lens, self.block_size, dev)
         input_ids = stage(torch.tensor(step.input_ids, dtype=torch.long), dev)
         positions = stage(torch.tensor(step.positions, dtype=torch.long), dev)
         hidden = self.model(input_ids, positions, meta, self.kv_caches)
         last = torch.tensor(step.query_lens).cumsum(0) - 1
-        return self.model.compute_logits(hidden[stage(last[step.sample_rows], dev)])
+        logits = self.model.compute_logits(hidden[stage(last[step.sample_rows], dev)])
+        return logits, self.prompt_logprobs(hidden, step.prompt_rows) if step.prompt_rows else []
+
+    def prompt_logprobs(self, hidden: torch.Tensor, rows: list[PromptRows]) -> list[list[Logprob]]:
+        """log_softmax of the raw logits at the asked rows: each next token's logprob and rank, and the
+        top alternatives. Logits are made ``PROMPT_LOGITS_ROWS`` rows at a time (a chunk's whole
+        ``[tokens, vocab]`` float32 logits could take gigabytes)."""
+        index = torch.cat([torch.arange(r.start, r.start + len(r.targets)) for r in rows])
+        targets = torch.tensor([t for r in rows for t in r.targets], dtype=torch.long, device=self.device)
+        width = max(r.num_top for r in rows)
+        chosen, ranks, top_values, top_ids = [], [], [], []
+        for i in range(0, len(index), PROMPT_LOGITS_ROWS):
+            piece = stage(index[i : i + PROMPT_LOGITS_ROWS], self.device)
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[piece]), dim=-1)
+            value = logprobs.gather(1, targets[i : i + PROMPT_LOGITS_ROWS].unsqueeze(1))
+            chosen.append(value.squeeze(1))
+            ranks.append((logprobs > value).sum(dim=1) + 1)
+            values, ids = logprobs.topk(width, dim=-1)
+            top_values.append(values)
+            top_ids.append(ids)
+        # a masked token's -inf has no JSON form: reported as -9999.0, as for sampled tokens
+        chosen_l = torch.cat(chosen).clamp_min(MIN_LOGPROB).tolist()
+        ranks_l = torch.cat(ranks).tolist()
+        top_values_l = torch.cat(top_values).clamp_min(MIN_LOGPROB).tolist()
+        top_ids_l = torch.cat(top_ids).tolist()
+        out, j = [], 0
+        for r in rows:
+            lps = []
+            for t in r.targets:
+                top = list(zip(top_ids_l[j][: r.num_top], top_values_l[j][: r.num_top], strict=True))
+                lps.append(Logprob(t, chosen_l[j], top, ranks_l[j]))
+                j += 1
+            out.append(lps)
+        return out
 
     def _execute_or_error(self, step: StepInput) -> StepOutput:
         try:
             return self.execute(step)
+        except WorkerFailed:
+            raise
         except Exception as exc:  # a failed step ends its batch, not the engine
             return StepOutput(error=f"{type(exc).__name__}: {exc}")
 

@@ -209,8 +209,8 @@ def tokenize_prompt(request: PromptRequest, ctx: PrepareContext) -> list[int]:
 def _validate(request: PromptRequest) -> None:
     if sum(x is not None for x in (request.messages, request.prompt, request.prompt_token_ids)) != 1:
         raise PromptError("exactly one of messages, prompt and prompt_token_ids is required", param=request.param)
-    if request.max_tokens is not None and request.max_tokens < 1:
-        raise PromptError(f"max_tokens must be at least 1, got {request.max_tokens}", param="max_tokens")
+    if request.max_tokens is not None and request.max_tokens < 0:
+        raise PromptError(f"max_tokens must not be negative, got {request.max_tokens}", param="max_tokens")
     if (n := request.truncate_prompt_tokens) is not None and n < 1 and n != -1:
         raise PromptError(f"truncate_prompt_tokens must be -1 or at least 1, got {n}", param="truncate_prompt_tokens")
     if request.truncation is not None and request.truncation not in TRUNCATION_MODES:
