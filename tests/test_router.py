@@ -4,6 +4,7 @@ executable is found (``VLLM_ROUTER`` or the PATH; it lives in its own venv)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -15,7 +16,8 @@ from collections.abc import Iterator
 import anyio
 import httpx
 import pytest
-from support import Served, clean_env, free_port, running, wait_ready
+from prometheus_client.parser import text_string_to_metric_families
+from support import Served, clean_env, free_port, running, wait_ready, wait_until
 
 ROUTER = os.environ.get("VLLM_ROUTER") or shutil.which("vllm-router")
 pytestmark = [
@@ -113,3 +115,102 @@ async def test_an_overloaded_replicas_503_and_retry_after_pass_through(replica, 
     assert direct.status_code == routed.status_code == 503
     assert routed.headers["retry-after"] == direct.headers["retry-after"]
     assert routed.json() == direct.json()
+
+
+# kv_aware: the router reads the replicas' KV events (docs/operations.md)
+
+
+@pytest.fixture(scope="module")
+def kv_replicas(tiny_model_dir, tmp_path_factory) -> Iterator[list[tuple[Served, int, int]]]:
+    """Two replicas publishing KV events, each with its event and replay ports."""
+    with contextlib.ExitStack() as stack:
+        out = []
+        for i in range(2):
+            port, events, replay = free_port(), free_port(), free_port()
+            config = {
+                "enable_kv_cache_events": True,
+                "endpoint": f"tcp://*:{events}",
+                "replay_endpoint": f"tcp://*:{replay}",
+            }
+            env = clean_env(
+                model=str(tiny_model_dir),
+                max_model_len="4096",
+                kv_cache_gib="0.05",
+                num_threads="1",
+                kv_events_config=json.dumps(config),
+            )
+            cmd = [sys.executable, "-m", "hypercorn", "atom_anyio:app", "--bind", f"127.0.0.1:{port}"]
+            log_path = tmp_path_factory.mktemp(f"kv-replica{i}") / "hypercorn.log"
+            out.append((stack.enter_context(running(cmd, env, port, log_path)), events, replay))
+        yield out
+
+
+@pytest.fixture(scope="module")
+def kv_router(kv_replicas, tiny_model_dir, tmp_path_factory) -> Iterator[Served]:
+    port = free_port()
+    cmd = [ROUTER, "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(metrics_port := free_port())]
+    cmd += ["--policy", "kv_aware", "--disable-retries", "--worker-urls", *(r.url for r, _, _ in kv_replicas)]
+    for r, events, replay in kv_replicas:
+        cmd += ["--kv-event-source", f"{r.url}=tcp://127.0.0.1:{events}"]
+        cmd += ["--kv-event-replay-source", f"{r.url}=tcp://127.0.0.1:{replay}"]
+    cmd += ["--kv-event-block-size", "16", "--kv-event-model", "tiny"]
+    # the subscriber logs each event batch it applies ("kv_index live sequence advanced") at debug
+    env = {
+        **os.environ,
+        "VLLM_ROUTER_TOKENIZER": str(tiny_model_dir),
+        "RUST_LOG": "info,vllm_router_rs::kv_index=debug",
+    }
+    served = Served(f"http://127.0.0.1:{port}", tmp_path_factory.mktemp("kv-router") / "router.log")
+    served.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with served.log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_ready(proc, served)
+        yield served
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+
+
+async def metric_sum(client: httpx.AsyncClient, url: str, name: str, **labels: str) -> float:
+    """A counter's value summed over its series (those with ``labels``), from a Prometheus text page."""
+    text = (await client.get(url)).text
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+def applied_from(url: str, line: str) -> bool:
+    return "kv_index live sequence advanced" in line and url in line
+
+
+async def test_kv_aware_routes_a_shared_prefix_to_the_replica_whose_events_hold_it(kv_replicas, kv_router):
+    """The first request goes where the load is least; its prompt's blocks come back as BlockStored
+    events, and every later request with that prefix is routed to the same replica as a prefix hit."""
+    history = " ".join(f"step {i} of the plan" for i in range(120))  # ~600 tokens: dozens of full blocks
+    urls = [r.url for r, _, _ in kv_replicas]
+
+    def body(turn: int) -> dict:
+        return {"messages": [{"role": "user", "content": f"{history}\nturn {turn}"}], "max_tokens": 2}
+
+    async with httpx.AsyncClient(timeout=120) as client:
+
+        async def queried() -> list[float]:
+            return [await metric_sum(client, f"{u}/metrics", "vllm:prefix_cache_queries_total") for u in urls]
+
+        before = await queried()
+        assert (await client.post(f"{kv_router.url}/v1/chat/completions", json=body(0))).status_code == 200
+        first = [a - b for a, b in zip(await queried(), before, strict=True)]
+        owner = first.index(max(first))
+        # the router has the prompt's blocks once it has read the owner's first event batch
+        await wait_until(lambda: any(applied_from(urls[owner], line) for line in kv_router.log().splitlines()))
+        for turn in range(1, 4):
+            before = await queried()
+            assert (await client.post(f"{kv_router.url}/v1/chat/completions", json=body(turn))).status_code == 200
+            delta = [a - b for a, b in zip(await queried(), before, strict=True)]
+            assert delta[owner] > 0 and delta[1 - owner] == 0, (turn, delta)
+        hits = await metric_sum(client, kv_router.metrics_url, "vllm_router_kv_placement_lookups_total", result="hit")
+    assert hits >= 3
