@@ -137,7 +137,7 @@ def test_a_header_cut_off_by_the_end_shows_nothing():
 
 
 def test_output_parser_runs_harmony_for_the_harmony_spec():
-    parser = OutputParser(HARMONY, None, parse_tools=True)
+    parser = OutputParser(HARMONY, False, parse_tools=True)
     parsed = parser.parse_all(CALL)
     assert parsed.reasoning.startswith("The user wants") and parsed.content == ""
     assert [c.name for c in parser.tool_calls] == ["get_weather"]

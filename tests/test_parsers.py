@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from atom_anyio.config import Config
 from atom_anyio.parse import OutputParser, ParsedDelta, ParserSpec
+from atom_anyio.parse.reasoning import opens_reasoning
 from atom_anyio.prompt.render import compile_chat_template, render_chat
 from atom_anyio.templates import template_path
 
@@ -37,7 +38,7 @@ class Parsed:
 
 
 def run(spec: ParserSpec, chunks: list[str], prompt: str | None = None, *, parse_tools: bool = True) -> Parsed:
-    parser = OutputParser(spec, prompt, parse_tools=parse_tools)
+    parser = OutputParser(spec, opens_reasoning(prompt, spec.reasoning_tags), parse_tools=parse_tools)
     out = Parsed()
     ids: dict[int, str] = {}
     for delta in [parser.feed(c) for c in chunks] + [parser.finish()]:
@@ -323,7 +324,7 @@ def test_a_malformed_call_comes_back_as_content(fmt: str, text: str):
 def test_text_before_and_between_calls_is_content_and_waits_for_the_next_feed():
     call = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
     text = f"Let me check. {call}\nthen {call}\n"
-    parser = OutputParser(ParserSpec(None, "hermes"), None, parse_tools=True)
+    parser = OutputParser(ParserSpec(None, "hermes"), False, parse_tools=True)
     first = parser.feed(text)
     assert first.content == "Let me check. " and [d.index for d in first.tool_calls] == [0]
     rest = parser.finish()  # content after a call comes in a later result, keeping the text order
@@ -334,7 +335,7 @@ def test_text_before_and_between_calls_is_content_and_waits_for_the_next_feed():
 def test_streamed_arguments_arrive_in_several_fragments_after_the_name():
     spec = ParserSpec(None, "hermes")
     text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>'
-    parser = OutputParser(spec, None, parse_tools=True)
+    parser = OutputParser(spec, False, parse_tools=True)
     deltas = [d for i in range(0, len(text), 4) for d in parser.feed(text[i : i + 4]).tool_calls]
     deltas += parser.finish().tool_calls
     assert deltas[0].name == "get_weather" and all(d.name is None for d in deltas[1:])

@@ -45,7 +45,7 @@ def chat_blueprint(rt: Runtime) -> Blueprint:
             params = req.sampling_params(p.max_tokens, num_logprobs, defaults=rt.loaded.generation_defaults)
             if rt.parser_spec.decodes_special_tokens(parse_tools=parse_tools):
                 params.skip_special_tokens = False
-            return ChatEncoder(rt, req, p.text, parse_tools=parse_tools), [params]
+            return ChatEncoder(rt, req, p.opens_reasoning, parse_tools=parse_tools), [params]
 
         return await rt.generate([prompt], num_seqs=req.n, is_stream=req.stream, start=start)
 
@@ -117,9 +117,9 @@ class ChatEncoder(OpenAIEncoder):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
-    def __init__(self, rt: Runtime, req: ChatCompletionRequest, prompt_text: str | None, *, parse_tools: bool):
+    def __init__(self, rt: Runtime, req: ChatCompletionRequest, opens_reasoning: bool, *, parse_tools: bool):
         super().__init__(rt, req)
-        self.new_parser = functools.partial(OutputParser, rt.parser_spec, prompt_text, parse_tools=parse_tools)
+        self.new_parser = functools.partial(OutputParser, rt.parser_spec, opens_reasoning, parse_tools=parse_tools)
 
     def logprobs(self, lps: list[Logprob]) -> dict[str, Any]:
         content = []

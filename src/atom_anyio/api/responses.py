@@ -122,7 +122,7 @@ class ResponseEncoder:
         self.id = new_id("resp_")
         self.created_at = now()
         self.model = rt.model_name
-        self.parser = OutputParser(rt.parser_spec, prepared.text, parse_tools=req.parses_tools)
+        self.parser = OutputParser(rt.parser_spec, prepared.opens_reasoning, parse_tools=req.parses_tools)
         self.usage = Usage()
         self.num_reasoning_tokens = 0
         self.status = "in_progress"

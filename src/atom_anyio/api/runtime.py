@@ -187,22 +187,23 @@ class Runtime:
 
     def _prepare_one(self, request: PromptRequest) -> PreparedPrompt:
         prepared = prepare_prompt(request, self.prepare_ctx)
+        if self.parser_spec.reasoning_tags is not None:
+            prepared = dataclasses.replace(
+                prepared, opens_reasoning=opens_reasoning(prepared.text, self.parser_spec.reasoning_tags)
+            )
         if request.structured is None:
             return prepared
-        return dataclasses.replace(prepared, constraint=self._constraint(request, prepared.text))
+        return dataclasses.replace(prepared, constraint=self._constraint(request, prepared))
 
-    def _constraint(self, request: PromptRequest, prompt_text: str | None) -> Constraint:
+    def _constraint(self, request: PromptRequest, prepared: PreparedPrompt) -> Constraint:
         """The request's grammar; with a reasoning model whose prompt leaves the reasoning block
         open, it starts after the block's end tag."""
         grammar = self.grammars.compile(request.structured)
-        return Constraint(grammar, start_after=self._open_reasoning_end_ids(prompt_text))
+        return Constraint(grammar, start_after=self._open_reasoning_end_ids(prepared))
 
-    def _open_reasoning_end_ids(self, prompt_text: str | None) -> tuple[int, ...]:
+    def _open_reasoning_end_ids(self, prepared: PreparedPrompt) -> tuple[int, ...]:
         """The reasoning block's end tag as tokens, if the prompt leaves the block open; else ()."""
-        tags = self.parser_spec.reasoning_tags
-        if tags is None or not opens_reasoning(prompt_text, tags):
-            return ()
-        return self._reasoning_end_ids
+        return self._reasoning_end_ids if prepared.opens_reasoning else ()
 
     @functools.cached_property
     def _reasoning_end_ids(self) -> tuple[int, ...]:
@@ -212,7 +213,7 @@ class Runtime:
     def _engine_request(self, prepared: PreparedPrompt, params: SamplingParams) -> EngineRequest:
         """The engine's input; a reasoning budget applies where the prompt leaves the block open."""
         request = engine_request(prepared, params, self.prepare_ctx)
-        end_ids = () if params.reasoning_budget is None else self._open_reasoning_end_ids(prepared.text)
+        end_ids = () if params.reasoning_budget is None else self._open_reasoning_end_ids(prepared)
         if not end_ids:
             return request
         return dataclasses.replace(request, reasoning_budget=ReasoningBudget(params.reasoning_budget, end_ids))

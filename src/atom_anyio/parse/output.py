@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from atom_anyio.parse.harmony import HarmonyParser
-from atom_anyio.parse.reasoning import REASONING_PARSERS, ReasoningParser, opens_reasoning
+from atom_anyio.parse.reasoning import REASONING_PARSERS, ReasoningParser
 from atom_anyio.parse.tool_calls import TOOL_CALL_PARSERS, ToolCall, ToolCallDelta, ToolParser, detect_tool_format
 from atom_anyio.prompt.render import DEFAULT_TOOL_FORMAT, reads_tools
 
@@ -121,12 +121,13 @@ def _detect_reasoning(template: str) -> str | None:
 
 
 class OutputParser:
-    """One choice's output parser. ``prompt_text`` seeds the reasoning channel (a prompt ending
-    inside an open ``<think>`` starts in reasoning); ``parse_tools`` False leaves tool syntax as content."""
+    """One choice's output parser. ``in_reasoning``: the prompt ends inside an open reasoning block
+    (``opens_reasoning``, found once per prompt), so the output starts in the reasoning channel;
+    ``parse_tools`` False leaves tool syntax as content."""
 
-    def __init__(self, spec: ParserSpec, prompt_text: str | None, *, parse_tools: bool):
+    def __init__(self, spec: ParserSpec, in_reasoning: bool, *, parse_tools: bool):
         tags = spec.reasoning_tags
-        self._reasoning = ReasoningParser(tags, in_reasoning=opens_reasoning(prompt_text, tags)) if tags else None
+        self._reasoning = ReasoningParser(tags, in_reasoning=in_reasoning) if tags else None
         is_parsing_tools = parse_tools and spec.tool_format is not None
         self._harmony = HarmonyParser(parse_tools=is_parsing_tools) if spec.is_harmony else None
         self._tools = ToolParser.for_format(spec.tool_format) if is_parsing_tools and not spec.is_harmony else None

@@ -153,6 +153,9 @@ class PreparedPrompt:
     num_segment_cache_hit_tokens: int = 0
     num_dropped_messages: int = 0
     constraint: Constraint | None = None  # the compiled request.structured
+    # the text ends inside an open reasoning block (set in the prepare thread by the server, which
+    # knows the model's reasoning tags: the scan is over the whole prompt, so never on the event loop)
+    opens_reasoning: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:
