@@ -82,7 +82,7 @@ class ScriptedSampler:
         self.token_ids = tokenizer.encode(text, add_special_tokens=False)
         self.fail_at = fail_at
 
-    def __call__(self, logits: Any, inputs: SamplingInputs) -> SamplerOutput:
+    def __call__(self, logits: Any, inputs: SamplingInputs, finite: Any = None) -> SamplerOutput:
         positions = [len(out) for out in inputs.output_token_ids]
         if self.fail_at is not None and self.fail_at in positions:
             raise RuntimeError("device lost")
@@ -97,7 +97,7 @@ class FailingSampler:
     def __init__(self, error: Exception):
         self.error = error
 
-    def __call__(self, logits: Any, inputs: SamplingInputs) -> SamplerOutput:
+    def __call__(self, logits: Any, inputs: SamplingInputs, finite: Any = None) -> SamplerOutput:
         raise self.error
 
 

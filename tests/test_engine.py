@@ -18,6 +18,7 @@ from atom_anyio.engine.config import EngineConfig
 from atom_anyio.engine.loop import Engine
 from atom_anyio.engine.request import EngineRequest
 from atom_anyio.engine.sequence import Sequence
+from atom_anyio.models.loader import load_model
 from atom_anyio.prompt.prepare import PromptError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -350,3 +351,14 @@ def test_a_full_prefix_cache_costs_under_300_bytes_of_python_heap_per_block():
     tracemalloc.stop()
     assert len(bm.cached) == bm.num_blocks
     assert grown / bm.num_blocks < 300
+
+
+def test_non_finite_logits_end_the_request_with_an_error_not_a_token(tiny_model_dir):
+    """A NaN anywhere in a row's logits is caught on the device and read back with the sampled ids."""
+    loaded = load_model(str(tiny_model_dir))
+    with torch.no_grad():
+        loaded.model.model.norm.weight[0] = float("nan")  # every logit NaN
+    [out] = LLM(loaded).generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+    [choice] = out.outputs
+    assert choice.finish_reason == "error" and "non-finite logits" in choice.error
+    assert choice.token_ids == []

@@ -150,9 +150,9 @@ def sampling_seen(engine: Any) -> Iterator[list[SamplingParams]]:
     worker = engine.worker
     real, seen = worker.sampler, []
 
-    def record(logits, inputs):
+    def record(logits, inputs, finite=None):
         seen.extend(inputs.params)
-        return real(logits, inputs)
+        return real(logits, inputs, finite)
 
     worker.sampler = record
     try:

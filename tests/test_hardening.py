@@ -570,11 +570,11 @@ class GatedSampler:
         self.real, self.at = real, at
         self.gate, self.reached = threading.Event(), threading.Event()
 
-    def __call__(self, logits: Any, inputs: Any) -> Any:
+    def __call__(self, logits: Any, inputs: Any, finite: Any = None) -> Any:
         if any(len(out) == self.at for out in inputs.output_token_ids):
             self.reached.set()
             assert self.gate.wait(30), "the test never opened the gate"
-        return self.real(logits, inputs)
+        return self.real(logits, inputs, finite)
 
 
 async def test_in_process_hypercorn_signal_waits_for_the_drain(tiny_model):

@@ -13,6 +13,7 @@ from atom_anyio.sampling_params import SamplingParams
 
 _SEED_MASK = 0xFFFF_FFFF_FFFF
 MIN_LOGPROB = -9999.0
+INVALID_TOKEN = -1  # the id reported for a row whose logits were not all finite
 
 
 @dataclass
@@ -38,7 +39,11 @@ class SamplerOutput:
 class Sampler:
     """Samples one token per row of float32 ``[B, V]`` logits, on their device."""
 
-    def __call__(self, logits: torch.Tensor, inputs: SamplingInputs) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, inputs: SamplingInputs, finite: torch.Tensor | None = None
+    ) -> SamplerOutput:
+        """``finite``: per row, whether its logits were all finite (on the device); a row that was
+        not gets ``INVALID_TOKEN``, so the check costs no host sync of its own."""
         params = inputs.params
         assert logits.dim() == 2 and logits.shape[0] == len(params)
         processed = process_logits(logits, inputs)
@@ -52,7 +57,7 @@ class Sampler:
                 [inputs.seeds[i] for i in rows],
                 [len(inputs.output_token_ids[i]) for i in rows],
             )
-        return _to_output(logits, token_ids, params)
+        return _to_output(logits, token_ids, params, finite)
 
 
 def process_logits(logits: torch.Tensor, inputs: SamplingInputs) -> torch.Tensor:
@@ -180,17 +185,20 @@ def _exponentials(probs: torch.Tensor, seeds: list[int | None], steps: list[int]
     return q.clamp_min_(torch.finfo(q.dtype).tiny)
 
 
-def _to_output(raw: torch.Tensor, token_ids: torch.Tensor, params: list[SamplingParams]) -> SamplerOutput:
+def _to_output(
+    raw: torch.Tensor, token_ids: torch.Tensor, params: list[SamplingParams], finite: torch.Tensor | None
+) -> SamplerOutput:
     """Logprobs are log_softmax of the raw model logits, computed only for the rows that asked."""
+    reported = token_ids if finite is None else torch.where(finite, token_ids, INVALID_TOKEN)
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not rows:
-        return SamplerOutput(token_ids.tolist(), [None] * len(params))
+        return SamplerOutput(reported.tolist(), [None] * len(params))
     index = _long(rows, raw.device)
     logprobs = torch.log_softmax(raw[index].float(), dim=-1)
     chosen = logprobs.gather(1, token_ids[index].unsqueeze(1)).squeeze(1)
     top_values, top_ids = logprobs.topk(max(params[i].logprobs for i in rows), dim=-1)
     # one copy of ids and one of values: row j is [chosen, top...]
-    ids = torch.cat([token_ids, top_ids.flatten()]).tolist()
+    ids = torch.cat([reported, top_ids.flatten()]).tolist()
     # a masked token's -inf has no JSON form: reported as -9999.0, as OpenAI and vLLM do
     values = torch.cat([chosen.unsqueeze(1), top_values], dim=1).clamp_min(MIN_LOGPROB).tolist()
     top_ids_list = ids[len(params) :]

@@ -22,7 +22,7 @@ from atom_anyio.engine.attention import AttentionMetadata, stage
 from atom_anyio.engine.config import EngineConfig
 from atom_anyio.engine.cuda_graphs import DecodeGraphs
 from atom_anyio.engine.grammar import accept_tokens, apply_masks
-from atom_anyio.engine.sampler import MIN_LOGPROB, Sampler, SamplingInputs
+from atom_anyio.engine.sampler import INVALID_TOKEN, MIN_LOGPROB, Sampler, SamplingInputs
 from atom_anyio.engine.stream import Logprob
 from atom_anyio.models.llama import LlamaForCausalLM
 
@@ -146,12 +146,15 @@ class Worker:
             logits = self.graphs.logits(step.input_ids, step.block_tables, step.context_lens)
         else:
             logits, prompt_logprobs = self.forward(step)
-        if not torch.isfinite(logits).all():
-            raise FloatingPointError("non-finite logits")
+        # a NaN or an infinity anywhere in a row reaches its max: checked on the device, read back
+        # with the sampled ids (the step's one host sync), before the grammar masks add their -inf
+        finite = torch.isfinite(logits.amax(dim=-1))
         t1 = time.perf_counter()
         matchers = step.sampling.matchers
         rows = apply_masks(logits, matchers) if matchers else []
-        out = self.sampler(logits, step.sampling)
+        out = self.sampler(logits, step.sampling, finite)
+        if INVALID_TOKEN in out.token_ids:
+            raise FloatingPointError("non-finite logits")
         rejected = accept_tokens(matchers, rows, out.token_ids) if rows else []
         t2 = time.perf_counter()
         timings = {"forward": t1 - t0, "sample": t2 - t1}
