@@ -56,6 +56,9 @@ class AttentionMetadata:
     max_query_len: int
     block_size: int
     plans: dict[int | None, GatherPlan] = field(default_factory=dict, repr=False)  # by sliding window
+    # seq_lens, block_tables, query_start_loc as built on the host, for planners that read them
+    # there (FlashInfer's plan): copying them back from a GPU would be a host sync per step
+    host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     @classmethod
     def build(
@@ -82,17 +85,18 @@ class AttentionMetadata:
         pos = (ctx - qlen)[seq_of_token] + np.arange(query_start[-1]) - query_start[seq_of_token]
         slot_mapping = tables[seq_of_token, pos // block_size].astype(np.int64) * block_size + pos % block_size
 
-        def to(x: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-            return stage(torch.from_numpy(x).to(dtype), device)
-
+        host_tables = torch.from_numpy(tables)
+        host_seq_lens = torch.from_numpy(ctx).to(torch.int32)
+        host_query_start = torch.from_numpy(query_start).to(torch.int32)
         return cls(
-            slot_mapping=to(slot_mapping, torch.long),
-            block_tables=to(tables, torch.int32),
-            seq_lens=to(ctx, torch.int32),
-            query_start_loc=to(query_start, torch.int32),
+            slot_mapping=stage(torch.from_numpy(slot_mapping), device),
+            block_tables=stage(host_tables, device),
+            seq_lens=stage(host_seq_lens, device),
+            query_start_loc=stage(host_query_start, device),
             num_decode=num_decode,
             max_query_len=int(qlen.max()),
             block_size=block_size,
+            host=(host_seq_lens, host_tables, host_query_start),
         )
 
     def gather_plan(self, sliding_window: int | None = None) -> GatherPlan:

@@ -73,15 +73,17 @@ class FlashInferPagedAttention:
         if planned is not None and planned[0] is meta:
             return planned[1]
         bs = meta.block_size
-        seq_lens = meta.seq_lens.cpu()
+        # the host copies the metadata was built from (no device-to-host sync), else copied back
+        seq_lens, tables, query_start = meta.host or (
+            x.cpu() for x in (meta.seq_lens, meta.block_tables, meta.query_start_loc)
+        )
         num_pages = (seq_lens + bs - 1) // bs
         indptr = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
         torch.cumsum(num_pages, 0, out=indptr[1:])
-        tables = meta.block_tables.cpu()
         used = torch.arange(tables.shape[1])[None, :] < num_pages[:, None]
         wrapper = planned[1] if planned is not None else self.make_wrapper()
         wrapper.plan(
-            meta.query_start_loc.cpu(),
+            query_start,
             indptr,
             tables[used].to(device=q.device, dtype=torch.int32),
             (seq_lens - (num_pages - 1) * bs).to(torch.int32),
