@@ -7,6 +7,7 @@ from __future__ import annotations
 import gguf
 import numpy as np
 import pytest
+import test_models
 import torch
 import torch.nn.functional as F
 import transformers
@@ -21,6 +22,7 @@ from atom_anyio.models.quant import BLOCK_BYTES, QuantizedWeight, QuantLinear
 
 Q = gguf.GGMLQuantizationType
 QTYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1]
+K_QUANTS = [Q.Q4_K, Q.Q6_K]
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +104,109 @@ class QuantLinearLike(QuantLinear):
         self.bias = bias
 
 
+# K-quants: super-blocks of 256 (gguf has no quantizer for them: random blocks, or quantize_k below)
+
+
+def random_k_quantized(n: int, k: int, qtype: Q, seed: int = 0) -> tuple[QuantizedWeight, torch.Tensor]:
+    """Random super-blocks (every scale, minimum and weight bit random; float16 scales of about 0.01), and gguf's
+    own dequantization of them."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (n, k // 256, gguf.GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8)
+    d = (rng.standard_normal((n, k // 256, 2)) * 0.01).astype(np.float16).view(np.uint8)
+    if qtype == Q.Q4_K:
+        blocks[..., :4] = d  # d, dmin
+    else:
+        blocks[..., 208:] = d[..., :2]  # d
+    blocks = blocks.reshape(n, -1)
+    reference = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).copy())
+    return QuantizedWeight(torch.from_numpy(blocks), qtype, torch.Size((n, k))), reference
+
+
+def k_gemv_tolerance(x: torch.Tensor, w: QuantizedWeight, reference: torch.Tensor) -> torch.Tensor:
+    """As ``gemv_tolerance``: step / 2 per activation times |s q| = |w - m| <= |w| + |m| per weight, where
+    Q4_K's minimum is at most 63 dmin and Q6_K has none."""
+    n, k = w.shape
+    scaled = reference.abs()
+    if w.qtype == Q.Q4_K:
+        dmin = w.data.view(n, k // 256, 144)[..., 2:4].contiguous().view(torch.float16).float()[..., 0]
+        scaled = scaled + (63 * dmin.abs()).repeat_interleave(256, dim=1)
+    step = x.abs().view(x.shape[0], k // 32, 32).amax(-1).repeat_interleave(32, dim=1) / 32767
+    return (step / 2) @ scaled.t() + 1e-5 * x.abs() @ reference.abs().t()
+
+
+@pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda t: t.name)
+def test_k_quant_dequantize_equals_gguf_dequantize_bit_for_bit(qtype, cpu_kernels):
+    w, reference = random_k_quantized(24, 512, qtype)
+    assert torch.equal(w.dequantize(), reference)
+    assert torch.equal(CpuOps.dequantize(w), reference)
+    assert torch.equal(CpuOps.dequantize(w.to(dtype=torch.bfloat16)), reference.bfloat16())
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda t: t.name)
+def test_k_quant_gemv_is_within_the_int16_activation_bound(qtype, rows, cpu_kernels):
+    w, reference = random_k_quantized(50, 768, qtype, seed=rows)
+    x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows)) * 3
+    bias = torch.randn(50)
+    out = CpuOps.linear(x, QuantLinearLike(w, bias))
+    expected = F.linear(x, reference, bias)
+    error = (out - expected).abs()
+    assert (error <= k_gemv_tolerance(x, w, reference)).all(), error.max()
+    assert error.max() < 1e-3 * expected.abs().max()
+
+
+@pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda t: t.name)
+def test_k_quant_batches_run_dequantized_slices_through_a_gemm(qtype, cpu_kernels):
+    n = quant.slice_rows(256) * 2 + 5
+    w, reference = random_k_quantized(n, 256, qtype)
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(CpuOps.linear(x, QuantLinearLike(w, None)), F.linear(x, reference), rtol=1e-5, atol=1e-4)
+
+
+def quantize_k(w: np.ndarray, qtype: Q) -> np.ndarray:
+    """A plain round-to-nearest Q4_K / Q6_K quantizer (ggml-quants.c's layouts, not its search for scales)."""
+    rows, k = w.shape
+    sb = w.reshape(-1, 256).astype(np.float32)
+    if qtype == Q.Q6_K:
+        scale = np.abs(sb.reshape(-1, 16, 16)).max(-1) / 31
+        d = (scale.max(-1, keepdims=True) / 127).astype(np.float16)
+        sc = np.round(scale / np.maximum(d.astype(np.float32), 1e-30)).astype(np.int8)
+        step = (d.astype(np.float32) * sc).repeat(16, axis=1)
+        q = (np.clip(np.round(sb / np.where(step == 0, 1, step)), -32, 31) + 32).astype(np.uint8).reshape(-1, 2, 128)
+        ql = (q[..., :64] & 0x0F) | (q[..., 64:] & 0x0F) << 4
+        qh = sum(((q.reshape(-1, 2, 4, 32)[:, :, t] >> 4) & 3) << (2 * t) for t in range(4))
+        parts = [ql.reshape(-1, 128), qh.astype(np.uint8).reshape(-1, 64), sc.view(np.uint8), d.view(np.uint8)]
+    else:
+        sub = sb.reshape(-1, 8, 32)
+        mn = np.maximum(-sub.min(-1), 0)
+        scale = (sub.max(-1) + mn) / 15
+        d = (scale.max(-1, keepdims=True) / 63).astype(np.float16)
+        dmin = (mn.max(-1, keepdims=True) / 63).astype(np.float16)
+        isc = np.clip(np.round(scale / np.maximum(d.astype(np.float32), 1e-30)), 0, 63).astype(np.uint8)
+        imn = np.clip(np.round(mn / np.maximum(dmin.astype(np.float32), 1e-30)), 0, 63).astype(np.uint8)
+        step = (d.astype(np.float32) * isc)[..., None]
+        offset = (dmin.astype(np.float32) * imn)[..., None]
+        q = np.clip(np.round((sub + offset) / np.where(step == 0, 1, step)), 0, 15).astype(np.uint8)
+        scales = np.concatenate(
+            [
+                isc[:, :4] | (isc[:, 4:] >> 4) << 6,
+                imn[:, :4] | (imn[:, 4:] >> 4) << 6,
+                (isc[:, 4:] & 0x0F) | (imn[:, 4:] & 0x0F) << 4,
+            ],
+            axis=1,
+        )
+        qs = (q[:, 0::2] | q[:, 1::2] << 4).reshape(-1, 128)
+        parts = [d.view(np.uint8), dmin.view(np.uint8), scales, qs]
+    return np.concatenate(parts, axis=1).reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda t: t.name)
+def test_quantize_k_round_trips_through_gguf_dequantize(qtype):
+    w = np.random.default_rng(0).standard_normal((4, 512)).astype(np.float32)
+    back = gguf.quants.dequantize(quantize_k(w, qtype), qtype)
+    assert np.abs(back - w).max() < (0.25 if qtype == Q.Q4_K else 0.08) * np.abs(w).max()
+
+
 # models
 
 
@@ -117,6 +222,24 @@ def tiny_chat_gguf(tmp_path_factory):
     for qtype in [*QTYPES, Q.Q5_0]:
         paths[qtype] = root / f"tiny.{qtype.name}.gguf"
         write_gguf(paths[qtype], "llama", hf, qtype.name, metadata=[byte_level_tokenizer_metadata])
+    return paths
+
+
+@pytest.fixture(scope="module")
+def tiny_k_quant_gguf(tmp_path_factory):
+    """A seeded tiny Llama 256 wide (K-quant rows are multiples of 256), one GGUF per K-quant."""
+    torch.manual_seed(0)
+    sizes = {**SIZES, "vocab_size": 262, "num_key_value_heads": 2, "hidden_size": 256, "intermediate_size": 512}
+    config = transformers.LlamaConfig(**sizes)
+    config.initializer_range = 0.2
+    hf = transformers.LlamaForCausalLM(config).eval()
+    root = tmp_path_factory.mktemp("kquant")
+    paths = {}
+    with pytest.MonkeyPatch.context() as mp:  # write_gguf quantizes with gguf's quantize, which has no K-quants
+        mp.setattr(test_models, "quantize", lambda w, kind: quantize_k(w, kind) if kind in K_QUANTS else None)
+        for qtype in K_QUANTS:
+            paths[qtype] = root / f"tiny.{qtype.name}.gguf"
+            write_gguf(paths[qtype], "llama", hf, qtype.name, metadata=[byte_level_tokenizer_metadata])
     return paths
 
 
@@ -149,6 +272,21 @@ def test_quantized_greedy_equals_the_dequantized_path(tiny_chat_gguf, qtype):
     assert greedy(tiny_llm(tiny_chat_gguf[qtype], "auto", "torch")) == reference  # dequantized on the fly: same bits
     if kernels.load_cpu_kernels() is None:
         assert greedy(tiny_llm(tiny_chat_gguf[qtype], "auto", "cpu")) == reference
+
+
+@pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda t: t.name)
+def test_k_quant_model_stays_packed_and_greedy_equals_the_dequantized_path(tiny_k_quant_gguf, qtype):
+    path = tiny_k_quant_gguf[qtype]
+    quantized = load_model(path, dtype="auto").model
+    layers = [m for m in quantized.modules() if isinstance(m, QuantLinear)]
+    assert len(layers) == 2 * 4 + 1 and all(m.weight.qtype == qtype for m in layers)  # qkv, o, gate_up, down; head
+    assert isinstance(quantized.model.embed_tokens, quant.QuantEmbedding)
+    file_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
+    assert quant.weight_bytes(quantized) <= 1.3 * file_bytes
+    reference = greedy(tiny_llm(path, "float32", "torch"))
+    assert greedy(tiny_llm(path, "auto", "torch")) == reference
+    if kernels.load_cpu_kernels() is None:
+        assert greedy(tiny_llm(path, "auto", "cpu")) == reference
 
 
 def test_types_without_a_kernel_load_dequantized(tiny_chat_gguf):

@@ -217,7 +217,7 @@ def load_gguf_weights(path: str) -> tuple[ModelConfig, StateDict]:
 
 def read_gguf(path: str, keep_quantized: bool = False) -> tuple[ModelConfig, StateDict, dict[str, Any]]:
     """Config, weights and metadata; ``keep_quantized``: the linear layers' and the
-    embedding's tensors of the types in ``quant.BLOCK_BYTES`` as ``QuantizedWeight``s."""
+    embedding's tensors of the types in ``quant.BLOCKS`` as ``QuantizedWeight``s."""
     reader = gguf.GGUFReader(path)
     metadata = {k: field.contents() for k, field in reader.fields.items() if k not in GGUF_TOKENIZER_ARRAYS}
     tokens = reader.fields.get("tokenizer.ggml.tokens")
@@ -289,7 +289,7 @@ def hf_name(gguf_name: str) -> str:
 
 def gguf_tensor(tensor: gguf.ReaderTensor, keep_quantized: bool) -> torch.Tensor | quant.QuantizedWeight:
     is_layer = GGUF_QUANTIZED_LAYERS.fullmatch(tensor.name) and len(tensor.shape) == 2
-    if not (keep_quantized and is_layer and tensor.tensor_type in quant.BLOCK_BYTES):
+    if not (keep_quantized and is_layer and tensor.tensor_type in quant.BLOCKS):
         return dequantize(tensor)
     shape = torch.Size(int(d) for d in reversed(tensor.shape))
     return quant.QuantizedWeight(torch.from_numpy(np.array(tensor.data)), tensor.tensor_type, shape)

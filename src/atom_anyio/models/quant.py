@@ -2,12 +2,15 @@
 
 A ``QuantizedWeight`` is a linear layer's (or the embedding's) rows of ggml
 blocks, untouched: 32 weights per block with the block's float16 scale (and
-minimum for Q4_1). ``QuantLinear`` and ``QuantEmbedding`` hold one in place of
-``nn.Linear``/``nn.Embedding``; ``install`` swaps them into a model built on
+minimum for Q4_1), or for the K-quants super-blocks of 256 weights with a
+float16 scale and 8 or 16 small integer scales. ``QuantLinear`` and
+``QuantEmbedding`` hold one in place of ``nn.Linear``/``nn.Embedding``;
+``install`` swaps them into a model built on
 the meta device. The ops (models/ops.py) run them: ``TorchOps`` dequantizes
 on the fly with ``QuantizedWeight.dequantize`` (the portable reference),
 ``CpuOps`` with the kernels of ``engine/csrc/quant.cpp`` (a GEMV that
 dequantizes in registers for 1-4 rows; dequantized slices and a GEMM beyond).
+The K-quants' portable path is gguf's own numpy dequantizer.
 
 Packed q/k/v and gate/up (``pack_weights``) concatenate whole rows, so they
 stay quantized when their parts share a type; parts of different types are
@@ -26,13 +29,16 @@ from torch import nn
 
 Q = gguf.GGMLQuantizationType
 BLOCK_SIZE = 32
-# the types kept quantized, and the bytes of one block of 32 weights
-BLOCK_BYTES = {Q.Q8_0: 34, Q.Q4_0: 18, Q.Q4_1: 20}
+# the types kept quantized: (weights, bytes) of one block (a K-quant's super-block of 256)
+BLOCKS = {t: gguf.GGML_QUANT_SIZES[t] for t in (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K)}
+BLOCK_BYTES = {t: size for t, (weights, size) in BLOCKS.items() if weights == BLOCK_SIZE}  # blocks of 32
+K_QUANTS = {t for t, (weights, _) in BLOCKS.items() if weights != BLOCK_SIZE}
 
 
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """``shape`` ``[N, K]`` weights as ``data``: uint8 ``[N, K / 32 * block bytes]``, the file's blocks row by row.
+    """``shape`` ``[N, K]`` weights as ``data``: uint8 ``[N, K / block weights * block bytes]``, the file's blocks
+    row by row.
     ``dtype`` is the activations' (what ``dequantize`` gives by default), as a float weight's would be."""
 
     data: torch.Tensor
@@ -41,8 +47,8 @@ class QuantizedWeight:
     dtype: torch.dtype = torch.float32
 
     def __post_init__(self):
-        n, k = self.shape
-        assert self.data.dtype == torch.uint8 and self.data.shape == (n, k // BLOCK_SIZE * BLOCK_BYTES[self.qtype])
+        (n, k), (weights, size) = self.shape, BLOCKS[self.qtype]
+        assert self.data.dtype == torch.uint8 and self.data.shape == (n, k // weights * size)
 
     @property
     def device(self) -> torch.device:
@@ -63,6 +69,9 @@ class QuantizedWeight:
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The float weights, as ``gguf.quants.dequantize`` computes them (float32, then ``dtype``)."""
         n, k = self.shape
+        if self.qtype in K_QUANTS:
+            w = torch.from_numpy(gguf.quants.dequantize(self.data.numpy(), self.qtype))
+            return w.reshape(n, k).to(dtype or self.dtype)
         blocks = self.data.view(n, k // BLOCK_SIZE, BLOCK_BYTES[self.qtype])
         d = blocks[..., :2].contiguous().view(torch.float16).float()
         if self.qtype == Q.Q8_0:

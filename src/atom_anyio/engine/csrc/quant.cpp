@@ -9,7 +9,11 @@
 //   Q8_0 (34 bytes):  d f16, q int8[32]                 w = d q
 //   Q4_0 (18 bytes):  d f16, nibbles[16]                w = d (q - 8)
 //   Q4_1 (20 bytes):  d f16, m f16, nibbles[16]         w = d q + m
-// where byte j holds weight j in its low nibble and weight j + 16 in its high.
+// where byte j holds weight j in its low nibble and weight j + 16 in its high; and super-blocks of 256:
+//   Q4_K (144 bytes): d f16, dmin f16, 6-bit scale and min of 8 sub-blocks of 32 (12 bytes), nibbles[128]
+//                     w = d sc q - dmin mn; bytes 32p..32p+31 hold sub-block 2p (low nibbles) and 2p + 1 (high)
+//   Q6_K (210 bytes): low nibbles[128], high 2 bits[64], int8 scales of 16 groups of 16, d f16   w = d sc (q - 32)
+// (ggml-quants.c's dequantize_row_q4_K / q6_K). The kernels see any block as sub-blocks of 32: w = s q + m.
 // The GEMV rounds x to int16 per block of 32 (a = x / dx, dx = max|x| / 32767),
 // multiplies the integer weights by a in int32 (exact) and sums a block as
 // d dx (q . a) + m sum(x), with the float block sums of x; x's blocks are
@@ -28,17 +32,24 @@ namespace {
 
 using namespace atom;
 
-constexpr int QK = 32;  // weights per block
-enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  // ggml's type ids
+constexpr int QK = 32;    // weights per block (per sub-block of a K-quant)
+constexpr int QKK = 256;  // weights per K-quant super-block
+enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };  // ggml's type ids
+
+constexpr bool is_k_quant(int64_t type) { return type == Q4_K || type == Q6_K; }
 
 inline int64_t block_bytes(int64_t type) {
   switch (type) {
     case Q4_0: return 18;
     case Q4_1: return 20;
     case Q8_0: return 34;
-    default: TORCH_CHECK(false, "quantized type ", type, " is not supported (Q4_0, Q4_1, Q8_0)");
+    case Q4_K: return 144;
+    case Q6_K: return 210;
+    default: TORCH_CHECK(false, "quantized type ", type, " is not supported (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K)");
   }
 }
+
+inline int64_t weights_per_block(int64_t type) { return is_k_quant(type) ? QKK : QK; }
 
 inline float half_at(const uint8_t* p) {
   uint16_t bits;
@@ -137,6 +148,38 @@ inline V8 block_dot(const Weights16& w, const int16_t* a) {
   const __m256i hi = _mm256_madd_epi16(w.hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 16)));
   return {_mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi))};
 }
+
+// the 16 products of half h (weights 16 h .. 16 h + 15) of the block's weights and a
+inline V8 half_dot(const Weights16& w, const int16_t* a, int h) {
+  const __m256i ah = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 16 * h));
+  return {_mm256_cvtepi32_ps(_mm256_madd_epi16(h ? w.hi : w.lo, ah))};
+}
+
+inline void weights_to_float(const Weights16& w, V8 out[4]) {
+  out[0] = {_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(w.lo)))};
+  out[1] = {_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(w.lo, 1)))};
+  out[2] = {_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(w.hi)))};
+  out[3] = {_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(w.hi, 1)))};
+}
+
+// sub-block j (weights 32 j .. 32 j + 31) of a K-quant super-block as integers: Q4_K's 0..15, Q6_K's -32..31
+template <int64_t Type>
+inline Weights16 sub_block_weights(const uint8_t* b, int j) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  __m256i q;
+  if constexpr (Type == Q4_K) {
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * (j / 2)));
+    q = _mm256_and_si256(j & 1 ? _mm256_srli_epi16(bytes, 4) : bytes, low4);
+  } else {
+    const int h = j / 4, t = j % 4;
+    const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32 * (t & 1)));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+    const __m256i lo = _mm256_and_si256(t >= 2 ? _mm256_srli_epi16(ql, 4) : ql, low4);
+    const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * t)), _mm256_set1_epi8(0x03));
+    q = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
+  }
+  return {_mm256_cvtepi8_epi16(_mm256_castsi256_si128(q)), _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1))};
+}
 #else
 struct Weights16 {
   int32_t q[QK];
@@ -161,7 +204,61 @@ inline V8 block_dot(const Weights16& w, const int16_t* a) {
   out.v[0] = float(sum);
   return out;
 }
+
+inline V8 half_dot(const Weights16& w, const int16_t* a, int h) {
+  int32_t sum = 0;
+  for (int j = 16 * h; j < 16 * h + 16; ++j) sum += w.q[j] * a[j];
+  V8 out = splat(0.f);
+  out.v[0] = float(sum);
+  return out;
+}
+
+inline void weights_to_float(const Weights16& w, V8 out[4]) {
+  float q[QK];
+  for (int j = 0; j < QK; ++j) q[j] = float(w.q[j]);
+  for (int i = 0; i < 4; ++i) out[i] = load(q + 8 * i);
+}
+
+template <int64_t Type>
+inline Weights16 sub_block_weights(const uint8_t* b, int j) {
+  Weights16 w;
+  for (int i = 0; i < QK; ++i) {
+    if constexpr (Type == Q4_K) {
+      const uint8_t byte = b[16 + 32 * (j / 2) + i];
+      w.q[i] = j & 1 ? byte >> 4 : byte & 0x0F;
+    } else {
+      const int h = j / 4, t = j % 4;
+      const int lo = (b[64 * h + 32 * (t & 1) + i] >> (4 * (t >> 1))) & 0x0F;
+      const int hi = (b[128 + 32 * h + i] >> (2 * t)) & 0x03;
+      w.q[i] = (lo | hi << 4) - 32;
+    }
+  }
+  return w;
+}
 #endif
+
+// sub-block j of a K-quant super-block: w = s q + m, with s2 in place of s for its second 16 weights
+// (Q6_K's scales are per 16); the products and sums as ggml's reference rounds them
+struct SubScales {
+  float s, s2, m;
+};
+
+template <int64_t Type>
+inline void super_block_scales(const uint8_t* b, SubScales s[8]) {
+  if constexpr (Type == Q4_K) {
+    const float d = half_at(b), dmin = half_at(b + 2);
+    const uint8_t* q = b + 4;
+    for (int j = 0; j < 8; ++j) {
+      const int sc = j < 4 ? q[j] & 63 : (q[j + 4] & 0x0F) | (q[j - 4] >> 6) << 4;
+      const int mn = j < 4 ? q[j + 4] & 63 : (q[j + 4] >> 4) | (q[j] >> 6) << 4;
+      s[j] = {d * float(sc), d * float(sc), -(dmin * float(mn))};
+    }
+  } else {
+    const float d = half_at(b + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    for (int j = 0; j < 8; ++j) s[j] = {d * float(sc[2 * j]), d * float(sc[2 * j + 1]), 0.f};
+  }
+}
 
 // rows [n0, n1) of W against the M rows of x: per block, d dx (q . a) + m sum(x); even and odd blocks sum
 // apart, so that two chains of additions overlap
@@ -198,13 +295,55 @@ void qgemv_rows(const XBlocks& x, int64_t K, const uint8_t* w, float* out, int64
   }
 }
 
+// the same for K-quants, a sub-block of 32 at a time: s dx (q . a) + m sum(x) (Q6_K: per half, no m)
+template <int M, int64_t Type>
+void kgemv_rows(const XBlocks& x, int64_t K, const uint8_t* w, float* out, int64_t ldo, const float* bias, int64_t n0,
+                int64_t n1) {
+  constexpr int64_t BB = Type == Q4_K ? 144 : 210;
+  const int64_t nb = K / QK;
+  const int16_t* a = x.a.data();
+  const float* dx = x.dx.data();
+  const float* xsum = x.xsum.data();
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * (K / QKK) * BB;
+    V8 acc[M];
+    float offset[M];
+    for (int m = 0; m < M; ++m) acc[m] = splat(0.f), offset[m] = 0.f;
+    for (int64_t sb = 0; sb < K / QKK; ++sb) {
+      const uint8_t* blk = row + sb * BB;
+      SubScales s[8];
+      super_block_scales<Type>(blk, s);
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {  // unrolled: each sub-block's shifts and offsets are constants
+        const Weights16 q = sub_block_weights<Type>(blk, j);
+        for (int m = 0; m < M; ++m) {
+          const int64_t xb = m * nb + sb * 8 + j;
+          if constexpr (Type == Q6_K) {
+            acc[m] = fma(splat(s[j].s * dx[xb]), half_dot(q, a + xb * QK, 0), acc[m]);
+            acc[m] = fma(splat(s[j].s2 * dx[xb]), half_dot(q, a + xb * QK, 1), acc[m]);
+          } else {
+            acc[m] = fma(splat(s[j].s * dx[xb]), block_dot(q, a + xb * QK), acc[m]);
+            offset[m] += s[j].m * xsum[xb];
+          }
+        }
+      }
+    }
+    for (int m = 0; m < M; ++m) out[m * ldo + n] = hsum(acc[m]) + offset[m] + (bias ? bias[n] : 0.f);
+  }
+}
+
 template <int M, int64_t Type>
 void qgemv_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const float* bias) {
   const int64_t K = x.size(1), N = w.size(0);
   const XBlocks xq(x.data_ptr<float>(), M, K);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t b, int64_t e) { qgemv_rows<M, Type>(xq, K, wp, op, N, bias, b, e); });
+  at::parallel_for(0, N, 16, [&](int64_t b, int64_t e) {
+    if constexpr (is_k_quant(Type))
+      kgemv_rows<M, Type>(xq, K, wp, op, N, bias, b, e);
+    else
+      qgemv_rows<M, Type>(xq, K, wp, op, N, bias, b, e);
+  });
 }
 
 template <int M>
@@ -213,6 +352,8 @@ void qgemv_rows_of(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, in
     case Q4_0: return qgemv_impl<M, Q4_0>(out, x, w, bias);
     case Q4_1: return qgemv_impl<M, Q4_1>(out, x, w, bias);
     case Q8_0: return qgemv_impl<M, Q8_0>(out, x, w, bias);
+    case Q4_K: return qgemv_impl<M, Q4_K>(out, x, w, bias);
+    case Q6_K: return qgemv_impl<M, Q6_K>(out, x, w, bias);
     default: block_bytes(type);
   }
 }
@@ -220,7 +361,8 @@ void qgemv_rows_of(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, in
 void check_weight(const at::Tensor& w, int64_t K, int64_t type, const char* name) {
   TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(), name,
               ": the weight must be contiguous uint8 [N, row bytes]");
-  TORCH_CHECK(K % QK == 0 && w.size(1) == K / QK * block_bytes(type), name, ": K = ", K,
+  const int64_t per_block = weights_per_block(type);
+  TORCH_CHECK(K % per_block == 0 && w.size(1) == K / per_block * block_bytes(type), name, ": K = ", K,
               " does not match the weight's ", w.size(1), " bytes per row");
 }
 
@@ -255,6 +397,26 @@ void dequantize_rows(const uint8_t* w, T* out, int64_t K, int64_t n0, int64_t n1
   }
 }
 
+template <int64_t Type, typename T>
+void kdequantize_rows(const uint8_t* w, T* out, int64_t K, int64_t n0, int64_t n1) {
+  constexpr int64_t BB = Type == Q4_K ? 144 : 210;
+  for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t sb = 0; sb < K / QKK; ++sb) {
+      const uint8_t* blk = w + (n * (K / QKK) + sb) * BB;
+      SubScales s[8];
+      super_block_scales<Type>(blk, s);
+      for (int j = 0; j < 8; ++j) {
+        V8 q[4];
+        weights_to_float(sub_block_weights<Type>(blk, j), q);
+        for (int i = 0; i < 4; ++i) {
+          const V8 d = mul(splat(i < 2 ? s[j].s : s[j].s2), q[i]);  // the reference's d sc q, then - dmin mn
+          store_as(out + n * K + (sb * 8 + j) * QK + 8 * i, Type == Q4_K ? add(d, splat(s[j].m)) : d);
+        }
+      }
+    }
+  }
+}
+
 template <typename T>
 struct Dequantize {
   static void run(at::Tensor& out, const at::Tensor& w, int64_t type) {
@@ -266,6 +428,8 @@ struct Dequantize {
         case Q4_0: return dequantize_rows<Q4_0>(wp, op, K, b, e);
         case Q4_1: return dequantize_rows<Q4_1>(wp, op, K, b, e);
         case Q8_0: return dequantize_rows<Q8_0>(wp, op, K, b, e);
+        case Q4_K: return kdequantize_rows<Q4_K>(wp, op, K, b, e);
+        case Q6_K: return kdequantize_rows<Q6_K>(wp, op, K, b, e);
       }
     });
   }
