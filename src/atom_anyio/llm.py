@@ -59,6 +59,7 @@ class LLM:
         dtype: str = "auto",
         device: str = "cpu",
         attention_backend: str | None = None,
+        tensor_parallel_size: int = 1,
         **engine_kwargs: Any,
     ):
         log_to_stderr_by_default()
@@ -66,8 +67,8 @@ class LLM:
             self.loaded = model
         else:
             backend = attention_backend or env_setting("attention_backend")  # ATOM_ATTENTION_BACKEND
-            self.loaded = load_model(model, dtype=dtype, device=device, attention_backend=backend)
-        self.engine = Engine(self.loaded, EngineConfig(**engine_kwargs))
+            self.loaded = load_model(model, dtype, device, backend, tensor_parallel_size)
+        self.engine = Engine(self.loaded, EngineConfig(**engine_kwargs, tensor_parallel_size=tensor_parallel_size))
         self.tokenizer = self.loaded.tokenizer
         self.prepare_ctx = PrepareContext.for_engine(
             self.engine, self.tokenizer, chat_template=self.loaded.chat_template

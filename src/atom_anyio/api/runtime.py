@@ -363,7 +363,8 @@ async def _run_engine(
 def _load(config: Config) -> LoadedModel:
     """The model; a model it cannot serve (unknown architecture, missing files) is a ``ConfigError``."""
     try:
-        return load_model(config.model, config.dtype, config.device, config.attention_backend)
+        tp = config.engine.tensor_parallel_size
+        return load_model(config.model, config.dtype, config.device, config.attention_backend, tp)
     except (ValueError, FileNotFoundError) as exc:
         raise ConfigError(f"model {config.model or '(default)'}: {exc}") from None
 

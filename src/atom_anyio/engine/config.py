@@ -27,6 +27,9 @@ class EngineConfig:
     max_pending_deltas: int = setting(64, "unread deltas per request; past it a slow reader's deltas are merged")
     # the forward leaves the GIL, and on the 2-core VM two threads served 1.6x the output of one at c16
     num_threads: int | None = setting(None, "torch threads for the forward on CPU (default: every core)")
+    tensor_parallel_size: int = setting(
+        1, "ranks the model is split across, one process each (gloo on CPU, NCCL on GPUs; docs/engine.md)"
+    )
     cuda_graphs: bool = setting(
         False, "decode batches padded to 1, 2, 4 .. max_num_seqs and captured as CUDA graphs (untested on a GPU)"
     )
@@ -43,9 +46,18 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_pending_deltas"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, not {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.cuda_graphs:
+            raise ValueError("cuda_graphs runs with tensor_parallel_size 1 only")
         if self.kv_cache_gib <= 0:
             raise ValueError(f"kv_cache_gib must be positive, not {self.kv_cache_gib}")
 
     @property
     def cpu_threads(self) -> int:
         return self.num_threads or os.cpu_count() or 1
+
+    @property
+    def threads_per_rank(self) -> int:
+        """Each rank's share of ``cpu_threads``, so that the ranks do not oversubscribe the cores."""
+        return max(1, self.cpu_threads // self.tensor_parallel_size)

@@ -24,6 +24,7 @@ from anyio.abc import TaskStatus
 from atom_anyio.engine.block_manager import BlockManager
 from atom_anyio.engine.config import EngineConfig
 from atom_anyio.engine.detokenizer import IncrementalDetokenizer
+from atom_anyio.engine.ranks import TensorParallelWorker
 from atom_anyio.engine.request import EngineRequest
 from atom_anyio.engine.sampler import SamplingInputs
 from atom_anyio.engine.scheduler import ScheduledBatch, Scheduler
@@ -58,7 +59,10 @@ class Engine:
             self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.enable_prefix_caching
         )
         graphs = (self.max_model_len, cfg.max_num_seqs) if cfg.cuda_graphs else None
-        self.worker = Worker(loaded.model, num_blocks, cfg.block_size, cfg.cpu_threads, decode_graphs=graphs)
+        if cfg.tensor_parallel_size > 1:  # rank 0, driving the other ranks' processes
+            self.worker = TensorParallelWorker(loaded, num_blocks, cfg)
+        else:
+            self.worker = Worker(loaded.model, num_blocks, cfg.block_size, cfg.cpu_threads, decode_graphs=graphs)
         self._inbox: list[Sequence] = []
         self._wakeup: anyio.Event | None = None  # created by run(): an Event belongs to one event loop
         self.is_running = False
@@ -153,7 +157,8 @@ class Engine:
                 await self._serve(step_tx, result_rx)
         except BaseException as exc:
             if not isinstance(exc, anyio.get_cancelled_exc_class()) and self.error is None:
-                self.error = f"engine loop crashed: {type(exc).__name__}: {exc}"
+                cause = _crash_cause(exc)
+                self.error = f"engine loop crashed: {type(cause).__name__}: {cause}"
                 log.exception("engine.crashed")
             elif self.error is not None and not isinstance(exc, anyio.get_cancelled_exc_class()):
                 log.error("engine.unhealthy", error=self.error)
@@ -383,6 +388,14 @@ class Engine:
         self.num_steps += 1
         if batch.num_preempted:
             log.info("engine.preempted", num_seqs=batch.num_preempted, free_blocks=self.block_manager.num_free_blocks)
+
+
+def _crash_cause(exc: BaseException) -> BaseException:
+    """What crashed the loop: out of a task group's errors, the first that is not the closed channel it left."""
+    while isinstance(exc, BaseExceptionGroup):
+        _, rest = exc.split(anyio.EndOfStream)
+        exc = (rest or exc).exceptions[0]
+    return exc
 
 
 def _is_terminated(seq: Sequence) -> bool:

@@ -21,6 +21,7 @@ from atom_anyio.models.moe import MoeConfig, SparseMoeBlock
 from atom_anyio.models.ops import Ops
 from atom_anyio.models.quant import QuantizedWeight
 from atom_anyio.models.rope import rope_inv_freq
+from atom_anyio.models.tensor_parallel import TensorParallel
 
 # the Hugging Face architectures this decoder serves
 ARCHITECTURES = (
@@ -261,8 +262,9 @@ def pack_weights(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, layer: int):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, layer: int, tp: TensorParallel):
         super().__init__()
+        self.tp = tp  # o_proj and down_proj are row-parallel: their partial sums are reduced here
         self.self_attn = Attention(cfg, backend, layer)
         if cfg.is_moe_layer(layer):
             self.mlp = SparseMoeBlock(cfg.moe, cfg.hidden_size, backend.ops)
@@ -279,28 +281,31 @@ class DecoderLayer(nn.Module):
             x, residual = self.input_layernorm(x), x
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, cos, sin, kv, meta)
+        x = self.tp.all_reduce(self.self_attn(x, cos, sin, kv, meta))
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        return self.tp.all_reduce(self.mlp(x)), residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, tp: TensorParallel):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, i, tp) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend.ops)
 
 
 class LlamaForCausalLM(nn.Module):
     """``forward`` takes a step's flattened tokens and returns hidden states;
-    ``compute_logits`` runs the head only on the rows that are sampled."""
+    ``compute_logits`` runs the head only on the rows that are sampled. With ``tp``
+    it is one rank's shard, shaped by ``tp.config`` (models/tensor_parallel.py)."""
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None = None):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None = None, tp: TensorParallel | None = None):
         super().__init__()
-        self.config = cfg
+        assert tp is None or tp.model == cfg, "tp splits another model"
+        self.tp = tp or TensorParallel(cfg)
+        self.config = cfg = self.tp.config  # this rank's shard (the whole model at size 1)
         self.attention_backend = backend or TorchPagedAttention()
-        self.model = LlamaModel(cfg, self.attention_backend)
+        self.model = LlamaModel(cfg, self.attention_backend, self.tp)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -314,7 +319,7 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
+        x = self.tp.embed(self.model.embed_tokens, input_ids)
         freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, D/2]
         cos, sin = freqs.cos() * self.rope_scale, freqs.sin() * self.rope_scale
         residual = None
@@ -332,4 +337,4 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of the sampled rows, float32."""
-        return self.attention_backend.ops.lm_head(hidden, self.lm_head).float()
+        return self.tp.gather_logits(self.attention_backend.ops.lm_head(hidden, self.lm_head)).float()

@@ -33,6 +33,7 @@ from atom_anyio.models import quant
 from atom_anyio.models.llama import LlamaForCausalLM, ModelConfig, pack_weights
 from atom_anyio.models.moe import stack_experts
 from atom_anyio.models.rope import rope_inv_freq
+from atom_anyio.models.tensor_parallel import TensorParallel
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -66,6 +67,16 @@ GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.n
 StateDict = dict[str, torch.Tensor]
 
 
+@dataclass(frozen=True)
+class ModelSource:
+    """How a model was loaded: what another rank loads its own shard from (engine/ranks.py)."""
+
+    path: str
+    dtype: torch.dtype | str
+    device: str
+    attention_backend: str | None
+
+
 @dataclass
 class LoadedModel:
     model: LlamaForCausalLM  # eval mode, on device, in dtype, requires_grad False
@@ -75,6 +86,7 @@ class LoadedModel:
     name: str  # the served-model name: the directory name or the GGUF file stem
     # the model's own sampling defaults, SamplingParams names (generation_defaults.py); requests override them
     generation_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
+    source: ModelSource | None = None  # None: built in memory, not loaded from a path
 
 
 def default_model_path() -> str:
@@ -122,10 +134,14 @@ def load_model(
     dtype: torch.dtype | str = torch.float32,
     device: str | torch.device = "cpu",
     attention_backend: str | None = None,
+    tensor_parallel_size: int = 1,
+    rank: int = 0,
 ) -> LoadedModel:
     """Load a Hugging Face model directory or a ``.gguf`` file; ``None`` loads
-    the default model. ``attention_backend``: see ``select_backend``."""
+    the default model. ``attention_backend``: see ``select_backend``. With
+    ``tensor_parallel_size`` > 1, only ``rank``'s shard of the weights (models/tensor_parallel.py)."""
     path = os.fspath(path) if path else default_model_path()
+    source = ModelSource(path, dtype, str(device), attention_backend)
     device = torch.device(device)
     keep_quantized = dtype == "auto" and device.type == "cpu"  # a named dtype dequantizes, as before
     dtype = resolve_dtype(dtype, device)
@@ -143,8 +159,9 @@ def load_model(
         generation = from_generation_config(path)
     else:
         raise FileNotFoundError(f"model path {path!r} is neither a Hugging Face model directory nor a .gguf file")
-    model = build_model(cfg, state, dtype, device, attention_backend)
-    return LoadedModel(model, tokenizer, cfg, chat_template, name, generation_defaults=generation)
+    tp = TensorParallel(cfg, rank, tensor_parallel_size)
+    model = build_model(cfg, tp.shard_state(state), dtype, device, attention_backend, tp)
+    return LoadedModel(model, tokenizer, cfg, chat_template, name, generation_defaults=generation, source=source)
 
 
 def build_model(
@@ -153,11 +170,12 @@ def build_model(
     dtype: torch.dtype,
     device: torch.device,
     attention_backend: str | None = None,
+    tp: TensorParallel | None = None,
 ) -> LlamaForCausalLM:
-    """Assign ``state`` (Hugging Face names) into a model built without
-    initializing weights; every weight must be given."""
+    """Assign ``state`` (Hugging Face names; with ``tp``, already that rank's shard) into a
+    model built without initializing weights; every weight must be given."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, select_backend(device, attention_backend, cfg.head_dim))
+        model = LlamaForCausalLM(cfg, select_backend(device, attention_backend, cfg.head_dim), tp)
     state, missing_parts = pack_weights(
         stack_experts({k: v.to(device=device, dtype=dtype) for k, v in state.items()}, cfg.moe)
     )
