@@ -663,6 +663,15 @@ async def test_detokenize_round_trips_tokenize(client):
     assert_openai_error(data, param="tokens")
 
 
+async def test_tokenizer_info_gives_the_special_tokens_and_the_served_template(client, tokenizer, tiny_model):
+    r = await client.get("/tokenizer_info")
+    info = await r.get_json()
+    assert r.status_code == 200
+    assert info["eos_token"] == tokenizer.eos_token and info["bos_token"] == tokenizer.bos_token
+    assert info["chat_template"] == tiny_model.chat_template and info["model_max_length"] == MAX_MODEL_LEN
+    assert info["tokenizer_class"] == type(tokenizer).__name__
+
+
 async def test_metrics_count_requests_by_endpoint_and_outcome(client):
     before = await requests_total(client)
     await post(client, "/v1/chat/completions", chat(max_tokens=2))

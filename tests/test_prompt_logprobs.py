@@ -138,7 +138,9 @@ def assert_echo_logprobs_match(logprobs: dict[str, Any], ids: list[int], ref: to
         best = ref[i - 1].max().item()
         assert max(top.values()) == pytest.approx(best, abs=1e-4)
     offsets = logprobs["text_offset"]
-    assert offsets[0] == 0 and all(offsets[i + 1] - offsets[i] == len(logprobs["tokens"][i]) for i in range(len(offsets) - 1))
+    assert offsets[0] == 0 and all(
+        offsets[i + 1] - offsets[i] == len(logprobs["tokens"][i]) for i in range(len(offsets) - 1)
+    )
 
 
 @pytest.mark.anyio

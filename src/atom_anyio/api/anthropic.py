@@ -61,7 +61,9 @@ class MessageEncoder:
         self.id = new_id("msg_")
         self.model = rt.model_name
         self.usage = Usage()
-        self.blocks = ContentBlocks(OutputParser(rt.parser_spec, prepared.opens_reasoning, parse_tools=req.parses_tools))
+        self.blocks = ContentBlocks(
+            OutputParser(rt.parser_spec, prepared.opens_reasoning, parse_tools=req.parses_tools)
+        )
         self.last: Delta | None = None
 
     async def response(self, stream: DeltaStream) -> dict[str, Any]:

@@ -180,6 +180,16 @@ def _gets() -> dict[str, dict[str, Any]]:
         "required": ["object", "data"],
         "properties": {"data": {"type": "array", "items": model_card}},
     }
+    nullable_string = {"type": ["string", "null"]}
+    tokenizer_info = {
+        "type": "object",
+        "required": ["tokenizer_class", "eos_token", "chat_template", "model_max_length"],
+        "properties": {
+            "tokenizer_class": {"type": "string"},
+            **{k: nullable_string for k in ("bos_token", "eos_token", "pad_token", "unk_token", "chat_template")},
+            "model_max_length": {"type": "integer"},
+        },
+    }
     health = {"type": "object", "required": ["status"], "properties": {"status": {"enum": ["ok", "unavailable"]}}}
     text = {"text/plain": {"schema": {"type": "string"}}}
     return {
@@ -212,6 +222,15 @@ def _gets() -> dict[str, dict[str, Any]]:
             )
         },
         "/version": {"get": _operation("server", "The server's version", OPEN, _ok(OBJECT))},
+        "/tokenizer_info": {
+            "get": _operation(
+                "tokens",
+                "The tokenizer's special tokens and the served chat template",
+                BEARER,
+                _ok(tokenizer_info),
+                errors=(401,),
+            )
+        },
         "/metrics": {
             "get": _operation("server", "Prometheus metrics", OPEN, {"200": {"description": "OK", "content": text}})
         },

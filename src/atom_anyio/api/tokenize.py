@@ -1,4 +1,4 @@
-"""POST /tokenize and /detokenize: the prompt path, without generating."""
+"""POST /tokenize and /detokenize: the prompt path, without generating; GET /tokenizer_info."""
 
 from __future__ import annotations
 
@@ -51,7 +51,29 @@ def tokenize_blueprint(rt: Runtime) -> Blueprint:
         text = await rt.run_in_prepare_thread(rt.loaded.tokenizer.decode, req.tokens)
         return {"prompt": text}
 
+    @bp.get("/tokenizer_info")
+    async def tokenizer_info() -> Any:
+        """vLLM's: what a client needs to tokenize as the server does through /tokenize and
+        /detokenize (lm-evaluation-harness's remote tokenizer reads it), with the served template."""
+        return tokenizer_info_of(rt)
+
     return bp
+
+
+def tokenizer_info_of(rt: Runtime) -> dict[str, Any]:
+    tokenizer = rt.loaded.tokenizer
+    template = rt.prepare_ctx.template_sources  # the served one: the server's, else the tokenizer's
+    if not isinstance(template, str | None):  # named templates: the default one
+        template = template.get("default")
+    return {
+        "tokenizer_class": type(tokenizer).__name__,
+        "bos_token": tokenizer.bos_token,
+        "eos_token": tokenizer.eos_token,
+        "pad_token": tokenizer.pad_token,
+        "unk_token": tokenizer.unk_token,
+        "chat_template": template,
+        "model_max_length": rt.max_model_len,
+    }
 
 
 def _tokenize(rt: Runtime, req: TokenizeRequest) -> list[int]:

@@ -158,7 +158,9 @@ class Worker:
         rejected = accept_tokens(matchers, rows, out.token_ids) if rows else []
         t2 = time.perf_counter()
         timings = {"forward": t1 - t0, "sample": t2 - t1}
-        return StepOutput(out.token_ids, out.logprobs, rejected=rejected, timings=timings, prompt_logprobs=prompt_logprobs)
+        return StepOutput(
+            out.token_ids, out.logprobs, rejected=rejected, timings=timings, prompt_logprobs=prompt_logprobs
+        )
 
     def forward(self, step: StepInput) -> tuple[torch.Tensor, list[list[Logprob]]]:
         """float32 logits of the step's sample rows, and the logprobs its prompt rows asked for."""
