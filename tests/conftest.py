@@ -6,10 +6,9 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-import torch
-import transformers
+from support import write_tiny_llama
 
-from atom_anyio.models.loader import LoadedModel, default_model_path, load_gguf_tokenizer, load_model
+from atom_anyio.models.loader import LoadedModel, default_model_path, load_model
 
 
 @pytest.fixture(scope="session")
@@ -27,24 +26,7 @@ def smollm2(smollm2_path: str) -> LoadedModel:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_path: str):
     """A 2-layer random Llama in HF format; a large init std keeps greedy outputs varied."""
-    path = tmp_path_factory.mktemp("tiny-llama", numbered=False)
-    config = transformers.LlamaConfig(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=65536,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-        initializer_range=0.2,
-    )
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
-    load_gguf_tokenizer(smollm2_path).save_pretrained(path)
-    return path
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama", numbered=False), smollm2_path)
 
 
 @pytest.fixture(scope="session")

@@ -19,10 +19,13 @@ from typing import Any
 import anyio
 import httpx
 import pytest
+import torch
+import transformers
 from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config as HypercornConfig
 
 from atom_anyio.engine.sampler import SamplerOutput, SamplingInputs
+from atom_anyio.models.loader import load_gguf_tokenizer
 
 READY_TIMEOUT_S = 60.0
 EXIT_TIMEOUT_S = 30.0
@@ -204,3 +207,26 @@ def wait_ready(proc: subprocess.Popen, served: Served) -> None:
 def clean_env(**atom: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ATOM_")}
     return {**env, **{f"ATOM_{k.upper()}": v for k, v in atom.items()}}
+
+
+def write_tiny_llama(path, tokenizer_gguf: str, seed: int = 0, **config: object):
+    """A 2-layer random Llama (seeded) in HF format with the SmolLM2 tokenizer; ``config`` overrides."""
+    defaults = {
+        "vocab_size": 49152,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 65536,
+        "tie_word_embeddings": True,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "initializer_range": 0.2,
+    }
+    torch.manual_seed(seed)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**defaults, **config})).save_pretrained(
+        path, safe_serialization=True
+    )
+    load_gguf_tokenizer(tokenizer_gguf).save_pretrained(path)
+    return path

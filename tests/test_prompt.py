@@ -560,7 +560,7 @@ def test_impossible_cuts_are_refused(tiny_tokenizer, request_kwargs):
         ({"prompt_token_ids": [1, 10**9]}, "prompt"),
         ({}, "prompt"),
         ({"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, "messages"),
-        ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": -1}, "max_tokens"),
         ({"prompt": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
         ({"prompt": "hi", "truncation": "middle"}, "truncation"),
     ],

@@ -18,11 +18,10 @@ import psutil
 import pytest
 import torch
 import transformers
-from support import Served, clean_env, free_port, running, wait_ready
+from support import Served, clean_env, free_port, running, wait_ready, write_tiny_llama
 
 from atom_anyio.config import Config
 from atom_anyio.llm import LLM
-from atom_anyio.models.loader import load_gguf_tokenizer
 from atom_anyio.models.quant import Q, QuantizedWeight
 from atom_anyio.models.tensor_parallel import TensorParallel
 from atom_anyio.sampling_params import SamplingParams
@@ -72,23 +71,9 @@ def assert_all_gone(procs: list[psutil.Process]) -> None:
 def replicated_kv_dir(tmp_path_factory, smollm2_path) -> Path:
     """A tiny Llama with one KV head: at two ranks, each holds it and half the query heads."""
     path = tmp_path_factory.mktemp("tiny-llama-kv1")
-    config = transformers.LlamaConfig(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        initializer_range=0.2,
+    return write_tiny_llama(
+        path, smollm2_path, seed=1, num_key_value_heads=1, max_position_embeddings=4096, tie_word_embeddings=False
     )
-    torch.manual_seed(1)
-    transformers.LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
-    load_gguf_tokenizer(smollm2_path).save_pretrained(path)
-    return path
 
 
 # offline

@@ -21,15 +21,26 @@ import dataclasses
 import re
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from atom_anyio.models.quant import BLOCK_SIZE, BLOCKS, QuantizedWeight
 
-if TYPE_CHECKING:
-    from atom_anyio.models.llama import ModelConfig
+
+class ModelShape(Protocol):
+    """What the split reads of a model's config: models/llama.py's ``ModelConfig``, a frozen
+    dataclass (named structurally here, so the model and its split import one way only)."""
+
+    vocab_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    moe: Any
+
+
+Shape = TypeVar("Shape", bound=ModelShape)
 
 _LAYER_WEIGHT = re.compile(
     r"model\.layers\.\d+\.(self_attn|mlp)\.(\w+)\.(weight|bias)|model\.layers\.\d+\.self_attn\.sinks"
@@ -44,10 +55,10 @@ def split(n: int, parts: int, i: int) -> range:
 
 
 @dataclass(frozen=True)
-class TensorParallel:
+class TensorParallel(Generic[Shape]):
     """Rank ``rank`` of ``size`` holding its part of ``model`` (rank 0 of 1: the whole model)."""
 
-    model: ModelConfig  # the whole model's shape
+    model: Shape  # the whole model's config
     rank: int = 0
     size: int = 1
 
@@ -95,7 +106,7 @@ class TensorParallel:
         return split(self.model.vocab_size, self.size, self.rank)
 
     @cached_property
-    def config(self) -> ModelConfig:
+    def config(self) -> Shape:
         """The shard's shape: the model this rank builds."""
         if self.size == 1:
             return self.model
