@@ -99,6 +99,11 @@ class AttentionMetadata:
             host=(host_seq_lens, host_tables, host_query_start),
         )
 
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """The step's new keys and values into their slots of the paged cache (every backend's first step)."""
+        k_cache.index_copy_(0, self.slot_mapping, k)
+        v_cache.index_copy_(0, self.slot_mapping, v)
+
     def gather_plan(self, sliding_window: int | None = None) -> GatherPlan:
         """The portable path's padded gather indices and masks (built once per step and window)."""
         if sliding_window not in self.plans:
@@ -213,8 +218,7 @@ class TorchPagedAttention:
     ops = TorchOps
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, *, sliding_window=None, sinks=None):
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
+        meta.store_kv(k, v, k_cache, v_cache)
         plan, nd = meta.gather_plan(sliding_window), meta.num_decode
         out = torch.empty_like(q)
         if nd:
@@ -247,8 +251,7 @@ class CpuPagedAttention:
     ops = CpuOps
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, *, sliding_window=None, sinks=None):
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
+        meta.store_kv(k, v, k_cache, v_cache)
         q = q.contiguous()
         out = torch.empty_like(q)
         torch.ops.atom.paged_attention(

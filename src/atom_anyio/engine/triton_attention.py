@@ -263,8 +263,7 @@ class TritonPagedAttention:
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         assert q.dtype in DTYPES and k_cache.dtype == q.dtype, (q.dtype, k_cache.dtype)
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
+        meta.store_kv(k, v, k_cache, v_cache)
         step = Step.build(q, k_cache, v_cache, meta, sliding_window, sinks, self.block_n)
         nd, num_seqs, num_kv_heads = meta.num_decode, meta.seq_lens.shape[0], k_cache.shape[1]
         if nd:

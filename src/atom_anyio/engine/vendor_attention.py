@@ -63,8 +63,7 @@ class FlashInferPagedAttention:
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, *, sliding_window=None, sinks=None):
         if sinks is not None:
             raise ValueError("attention_backend 'flashinfer' does not take attention sinks; use triton")
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
+        meta.store_kv(k, v, k_cache, v_cache)
         wrapper = self._wrapper(q, k_cache, meta, sliding_window)
         return wrapper.run(q.contiguous(), pages(k_cache, v_cache, meta.block_size))
 
@@ -108,8 +107,7 @@ class AiterPagedAttention:
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, *, sliding_window=None, sinks=None):
         from aiter.ops.triton.unified_attention import unified_attention
 
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
+        meta.store_kv(k, v, k_cache, v_cache)
         q = q.contiguous()
         out = torch.empty_like(q)
         kp, vp = pages(k_cache, v_cache, meta.block_size)
