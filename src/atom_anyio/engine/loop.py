@@ -325,8 +325,8 @@ class Engine:
         """A request for the prompt alone (``max_tokens`` 0: its prompt logprobs) ends after its
         prefill, with no token sampled; its choices end together, sharing one prefill."""
         seq.first_token_time = time.monotonic()
+        prompt_logprobs = seq.take_prompt_logprobs()  # None when not asked; never changed once taken
         for s in (seq, *seq.siblings):
-            s.prompt_logprobs = list(seq.prompt_logprobs)
             delta = Delta(
                 index=s.index,
                 text="",
@@ -334,7 +334,7 @@ class Engine:
                 finish_reason="length",
                 num_prompt_tokens=s.num_prompt_tokens,
                 num_cached_tokens=seq.num_cached_tokens,
-                prompt_logprobs=s.take_prompt_logprobs(),
+                prompt_logprobs=prompt_logprobs,
                 metrics=self._request_metrics(seq),
             )
             with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
