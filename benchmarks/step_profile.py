@@ -7,6 +7,9 @@ read bandwidth (a torch reduction over 256 MiB).
     python benchmarks/step_profile.py [--model DIR_OR_GGUF] [--batch 8] [--contexts 2048 32768]
 
 Default model: the agentic benchmark's tiny random Llama with a 64k context.
+The ``cpu`` rows are the fused decoder where the model allows it (one C++ call
+per step: the profiler sees no op inside it, so its split is empty), and a
+``cpu op by op`` row runs the same model without it.
 Prints a table and one JSON line; never fails on a number.
 """
 
@@ -94,15 +97,19 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 32768])
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--dtype", default="auto", help="auto keeps a GGUF's blocks quantized; float32 dequantizes")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model or str(write_tiny_model(Path(tmp)))
-        models = {name: load_model(path, attention_backend=name).model for name in ("torch", "cpu")}
+        loaded = {name: load_model(path, dtype=args.dtype, attention_backend=name).model for name in ("torch", "cpu")}
+    # label -> (model, use_fused): the cpu backend's steps run fused (models/fused.py) where the model allows
+    models = {"torch": (loaded["torch"], False), "cpu": (loaded["cpu"], True), "cpu op by op": (loaded["cpu"], False)}
     bandwidth = read_bandwidth()
     rows = []
     for context in args.contexts:
-        for name, model in models.items():
+        for name, (model, use_fused) in models.items():
+            model.use_fused = use_fused
             step, kv_bytes = decode_step(model, args.batch, context)
             seconds = timed(step, args.repeats)
             parts = breakdown(step)
@@ -129,7 +136,17 @@ def main() -> None:
         )
         for c in args.contexts
     }
+    result_fused = {
+        str(c): round(
+            next(r["step_ms"] for r in rows if r["context"] == c and r["backend"] == "cpu op by op")
+            / next(r["step_ms"] for r in rows if r["context"] == c and r["backend"] == "cpu"),
+            3,
+        )
+        for c in args.contexts
+    }
+    print(f"fused decoder speed-up over op by op, by context: {result_fused}")
     result = {"bench": "step_profile", "batch": args.batch, "threads": args.threads, "read_bandwidth_gb_s": bandwidth}
+    result["fused_speedup_vs_op_by_op"] = result_fused
     result |= {"rows": [{k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()} for r in rows]}
     print(json.dumps(result | {"cpu_speedup_vs_torch": speedups}))
 

@@ -8,6 +8,7 @@ import importlib.util
 import pytest
 from support import write_tiny_llama
 
+from atom_anyio.engine import kernels
 from atom_anyio.models.loader import LoadedModel, default_model_path, load_model
 
 
@@ -32,6 +33,14 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_path: str):
 @pytest.fixture(scope="session")
 def tiny_model(tiny_model_dir) -> LoadedModel:
     return load_model(str(tiny_model_dir))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cpu_kernels_built() -> None:
+    """The C++ kernels built (or found in the cache) once, before any test starts a server process:
+    a bare ``hypercorn atom_anyio:app`` building them in its lifespan could pass hypercorn's 60 s
+    startup timeout on a slow machine."""
+    kernels.load_cpu_kernels()
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -8,6 +8,8 @@ import sys
 
 from atom_anyio.obs import logs_cli
 
+STARTUP_TIMEOUT_S = 3600  # hypercorn's limit on the lifespan's startup (its default is 60 s)
+
 
 def _generate(args: argparse.Namespace) -> int:
     import os
@@ -68,6 +70,9 @@ async def serve(app) -> int:
     hc = HypercornConfig()
     hc.bind = [f"{config.host}:{config.port}"]
     hc.graceful_timeout = config.drain_timeout_s
+    # the lifespan loads the weights (and builds the CPU kernels on first use): minutes for a large model,
+    # past hypercorn's 60 s default
+    hc.startup_timeout = STARTUP_TIMEOUT_S
     # no read_timeout: hypercorn applies it to every socket read, so it would cut off any generation
     # longer than it; the keep-alive timer covers idle and half-sent heads, BODY_TIMEOUT slow bodies
     hc.keep_alive_timeout = config.keep_alive_timeout_s

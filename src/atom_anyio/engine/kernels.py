@@ -21,8 +21,8 @@ import torch
 log = structlog.get_logger("atom_anyio.engine")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "paged_attention.cpp", CSRC / "ops.cpp", CSRC / "quant.cpp"]
-HEADERS = [CSRC / "vec.h"]
+SOURCES = [CSRC / "paged_attention.cpp", CSRC / "ops.cpp", CSRC / "quant.cpp", CSRC / "decoder.cpp"]
+HEADERS = [CSRC / "vec.h", CSRC / "kernels.h"]
 # no FMA contraction of separate products: the elementwise kernels round as torch's ops do
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 

@@ -13,10 +13,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import structlog
 import torch
 from torch import nn
 
 from atom_anyio.engine.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
+from atom_anyio.models import fused
 from atom_anyio.models.moe import MoeConfig, SparseMoeBlock
 from atom_anyio.models.ops import Ops
 from atom_anyio.models.quant import QuantizedWeight
@@ -34,6 +36,8 @@ ARCHITECTURES = (
     "GptOssForCausalLM",
 )
 SLIDING, FULL = "sliding_attention", "full_attention"  # Hugging Face's layer_types names
+
+log = structlog.get_logger("atom_anyio.engine")
 
 
 @dataclass(frozen=True)
@@ -311,6 +315,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         inv_freq, self.rope_scale = rope_inv_freq(cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.use_fused = True  # steps through the fused decoder (models/fused.py), where it applies
+        self._fused: tuple[torch.ScriptObject | None, str | None] | None = None  # built at the first step
 
     def forward(
         self,
@@ -319,13 +325,35 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
-        x = self.tp.embed(self.model.embed_tokens, input_ids)
         freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, D/2]
         cos, sin = freqs.cos() * self.rope_scale, freqs.sin() * self.rope_scale
+        if (decoder := self.fused_decoder()) is not None:
+            return decoder.forward(
+                input_ids,
+                cos,
+                sin,
+                [k for k, _ in kv_caches],
+                [v for _, v in kv_caches],
+                meta.slot_mapping,
+                meta.block_tables,
+                meta.seq_lens,
+                meta.query_start_loc,
+                meta.block_size,
+            )
+        x = self.tp.embed(self.model.embed_tokens, input_ids)
         residual = None
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, cos, sin, kv, meta)
         return self.model.norm(x, residual)[0]
+
+    def fused_decoder(self) -> torch.ScriptObject | None:
+        """The fused CPU decoder (models/fused.py) when ``use_fused`` and the model fits it, else None."""
+        if not self.use_fused:
+            return None
+        if self._fused is None:
+            self._fused = fused.build(self)
+            log.info("model.fused_decoder", enabled=self._fused[0] is not None, reason=self._fused[1])
+        return self._fused[0]
 
     @property
     def dtype_name(self) -> str:

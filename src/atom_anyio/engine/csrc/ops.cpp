@@ -14,6 +14,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include "kernels.h"
 #include "vec.h"
 
 namespace {
@@ -32,39 +33,39 @@ void rms_norm_row(const T* x, const T* w, T* out, int64_t n, float eps) {
 }
 
 template <typename T>
-void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, double eps) {
-  const int64_t n = x.size(-1), rows = x.numel() / n;
-  const T* xp = x.data_ptr<T>();
-  const T* wp = w.data_ptr<T>();
-  T* op = out.data_ptr<T>();
+void rms_norm_rows(T* op, const T* xp, const T* wp, int64_t rows, int64_t n, float eps) {
   at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) rms_norm_row(xp + r * n, wp, op + r * n, n, float(eps));
+    for (int64_t r = b; r < e; ++r) rms_norm_row(xp + r * n, wp, op + r * n, n, eps);
   });
 }
 
 template <typename T>
-void add_rms_norm_impl(at::Tensor& x, at::Tensor& residual, const at::Tensor& w, double eps) {
-  const int64_t n = x.size(-1), rows = x.numel() / n;
-  T* xp = x.data_ptr<T>();
-  T* rp = residual.data_ptr<T>();
-  const T* wp = w.data_ptr<T>();
+void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, double eps) {
+  const int64_t n = x.size(-1);
+  rms_norm_rows(out.data_ptr<T>(), x.data_ptr<T>(), w.data_ptr<T>(), x.numel() / n, n, float(eps));
+}
+
+template <typename T>
+void add_rms_norm_rows(T* xp, T* rp, const T* wp, int64_t rows, int64_t n, float eps) {
   at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       T* xr = xp + r * n;
       T* rr = rp + r * n;
 #pragma omp simd
       for (int64_t i = 0; i < n; ++i) rr[i] = T(float(rr[i]) + float(xr[i]));
-      rms_norm_row(rr, wp, xr, n, float(eps));
+      rms_norm_row(rr, wp, xr, n, eps);
     }
   });
 }
 
 template <typename T>
-void silu_and_mul_impl(at::Tensor& out, const at::Tensor& x) {
-  const int64_t n = out.size(-1), rows = out.numel() / n;
-  TORCH_CHECK(n % 8 == 0, "silu_and_mul: the width must be a multiple of 8");
-  const T* xp = x.data_ptr<T>();
-  T* op = out.data_ptr<T>();
+void add_rms_norm_impl(at::Tensor& x, at::Tensor& residual, const at::Tensor& w, double eps) {
+  const int64_t n = x.size(-1);
+  add_rms_norm_rows(x.data_ptr<T>(), residual.data_ptr<T>(), w.data_ptr<T>(), x.numel() / n, n, float(eps));
+}
+
+template <typename T>
+void silu_and_mul_rows(T* op, const T* xp, int64_t rows, int64_t n) {
   at::parallel_for(0, rows, 4, [&](int64_t b, int64_t e) {
     float silu[8];
     for (int64_t r = b; r < e; ++r) {
@@ -79,6 +80,13 @@ void silu_and_mul_impl(at::Tensor& out, const at::Tensor& x) {
       }
     }
   });
+}
+
+template <typename T>
+void silu_and_mul_impl(at::Tensor& out, const at::Tensor& x) {
+  const int64_t n = out.size(-1);
+  TORCH_CHECK(n % 8 == 0, "silu_and_mul: the width must be a multiple of 8");
+  silu_and_mul_rows(out.data_ptr<T>(), x.data_ptr<T>(), out.numel() / n, n);
 }
 
 // x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin over rows [T, heads, D] with any token stride
@@ -101,18 +109,20 @@ void rotate(T* x, int64_t token_stride, int64_t heads, int64_t D, const float* c
 }
 
 template <typename T>
-void rotary_impl(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
-  const int64_t T_ = q.size(0), D = q.size(2);
-  T* qp = q.data_ptr<T>();
-  T* kp = k.data_ptr<T>();
-  const float* c = cos.data_ptr<float>();
-  const float* s = sin.data_ptr<float>();
-  at::parallel_for(0, T_, 8, [&](int64_t b, int64_t e) {
+void rotary_rows(T* qp, int64_t q_stride, int64_t q_heads, T* kp, int64_t k_stride, int64_t k_heads, int64_t tokens,
+                 int64_t D, const float* c, const float* s) {
+  at::parallel_for(0, tokens, 8, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
-      rotate(qp, q.stride(0), q.size(1), D, c, s, t);
-      rotate(kp, k.stride(0), k.size(1), D, c, s, t);
+      rotate(qp, q_stride, q_heads, D, c, s, t);
+      rotate(kp, k_stride, k_heads, D, c, s, t);
     }
   });
+}
+
+template <typename T>
+void rotary_impl(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
+  rotary_rows(q.data_ptr<T>(), q.stride(0), q.size(1), k.data_ptr<T>(), k.stride(0), k.size(1), q.size(0), q.size(2),
+              cos.data_ptr<float>(), sin.data_ptr<float>());
 }
 
 // R consecutive rows of W against the M rows of x; K is a multiple of 8
@@ -134,12 +144,8 @@ inline void gemv_block(const float* x, int64_t K, const float* w, float* out, in
 }
 
 template <int M>
-void gemv_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const float* bias) {
+void gemv_rows(float* op, const float* xp, int64_t K, const float* wp, int64_t N, const float* bias) {
   constexpr int R = M == 1 ? 4 : 2;  // weight rows per block: independent FMA chains, within 16 registers
-  const int64_t K = x.size(1), N = w.size(0);
-  const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* op = out.data_ptr<float>();
   at::parallel_for(0, (N + R - 1) / R, 64, [&](int64_t b, int64_t e) {
     for (int64_t blk = b; blk < e; ++blk) {
       const int64_t n = blk * R;
@@ -158,13 +164,8 @@ void gemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const c10::
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && out.is_contiguous(), "gemv: tensors must be contiguous");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == w.size(1) && x.size(1) % 8 == 0 && x.size(0) >= 1 && x.size(0) <= 4,
               "gemv: x must be [1..4, K] with K a multiple of 8 and K = W's width");
-  const float* bias = b.has_value() ? b->data_ptr<float>() : nullptr;
-  switch (x.size(0)) {
-    case 1: return gemv_impl<1>(out, x, w, bias);
-    case 2: return gemv_impl<2>(out, x, w, bias);
-    case 3: return gemv_impl<3>(out, x, w, bias);
-    default: return gemv_impl<4>(out, x, w, bias);
-  }
+  atom::gemv_f32(out.data_ptr<float>(), x.data_ptr<float>(), x.size(0), x.size(1), w.data_ptr<float>(), w.size(0),
+                 b.has_value() ? b->data_ptr<float>() : nullptr);
 }
 
 template <typename T>
@@ -216,6 +217,34 @@ void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const
 }
 
 }  // namespace
+
+namespace atom {
+
+void rms_norm_f32(float* out, const float* x, const float* w, int64_t rows, int64_t n, float eps) {
+  rms_norm_rows(out, x, w, rows, n, eps);
+}
+
+void add_rms_norm_f32(float* x, float* residual, const float* w, int64_t rows, int64_t n, float eps) {
+  add_rms_norm_rows(x, residual, w, rows, n, eps);
+}
+
+void silu_and_mul_f32(float* out, const float* x, int64_t rows, int64_t n) { silu_and_mul_rows(out, x, rows, n); }
+
+void rotary_f32(float* q, int64_t q_stride, int64_t q_heads, float* k, int64_t k_stride, int64_t k_heads,
+                int64_t tokens, int64_t D, const float* cos, const float* sin) {
+  rotary_rows(q, q_stride, q_heads, k, k_stride, k_heads, tokens, D, cos, sin);
+}
+
+void gemv_f32(float* out, const float* x, int64_t M, int64_t K, const float* w, int64_t N, const float* bias) {
+  switch (M) {
+    case 1: return gemv_rows<1>(out, x, K, w, N, bias);
+    case 2: return gemv_rows<2>(out, x, K, w, N, bias);
+    case 3: return gemv_rows<3>(out, x, K, w, N, bias);
+    default: return gemv_rows<4>(out, x, K, w, N, bias);
+  }
+}
+
+}  // namespace atom
 
 TORCH_LIBRARY_FRAGMENT(atom, m) {
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");

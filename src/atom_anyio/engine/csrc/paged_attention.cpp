@@ -19,6 +19,7 @@
 
 #include <vector>
 
+#include "kernels.h"
 #include "vec.h"
 
 namespace {

@@ -26,6 +26,7 @@
 #include <cstring>
 #include <vector>
 
+#include "kernels.h"
 #include "vec.h"
 
 namespace {
@@ -333,11 +334,8 @@ void kgemv_rows(const XBlocks& x, int64_t K, const uint8_t* w, float* out, int64
 }
 
 template <int M, int64_t Type>
-void qgemv_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const float* bias) {
-  const int64_t K = x.size(1), N = w.size(0);
-  const XBlocks xq(x.data_ptr<float>(), M, K);
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  float* op = out.data_ptr<float>();
+void qgemv_impl(float* op, const float* xp, int64_t K, const uint8_t* wp, int64_t N, const float* bias) {
+  const XBlocks xq(xp, M, K);
   at::parallel_for(0, N, 16, [&](int64_t b, int64_t e) {
     if constexpr (is_k_quant(Type))
       kgemv_rows<M, Type>(xq, K, wp, op, N, bias, b, e);
@@ -347,13 +345,14 @@ void qgemv_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const
 }
 
 template <int M>
-void qgemv_rows_of(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64_t type, const float* bias) {
+void qgemv_rows_of(float* out, const float* x, int64_t K, const uint8_t* w, int64_t N, int64_t type,
+                   const float* bias) {
   switch (type) {
-    case Q4_0: return qgemv_impl<M, Q4_0>(out, x, w, bias);
-    case Q4_1: return qgemv_impl<M, Q4_1>(out, x, w, bias);
-    case Q8_0: return qgemv_impl<M, Q8_0>(out, x, w, bias);
-    case Q4_K: return qgemv_impl<M, Q4_K>(out, x, w, bias);
-    case Q6_K: return qgemv_impl<M, Q6_K>(out, x, w, bias);
+    case Q4_0: return qgemv_impl<M, Q4_0>(out, x, K, w, N, bias);
+    case Q4_1: return qgemv_impl<M, Q4_1>(out, x, K, w, N, bias);
+    case Q8_0: return qgemv_impl<M, Q8_0>(out, x, K, w, N, bias);
+    case Q4_K: return qgemv_impl<M, Q4_K>(out, x, K, w, N, bias);
+    case Q6_K: return qgemv_impl<M, Q6_K>(out, x, K, w, N, bias);
     default: block_bytes(type);
   }
 }
@@ -373,13 +372,8 @@ void qgemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64_t ty
   TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= 4, "qgemv: x must be [1..4, K]");
   check_weight(w, x.size(1), type, "qgemv");
   TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == w.size(0), "qgemv: out must be [M, N]");
-  const float* bias = b.has_value() ? b->data_ptr<float>() : nullptr;
-  switch (x.size(0)) {
-    case 1: return qgemv_rows_of<1>(out, x, w, type, bias);
-    case 2: return qgemv_rows_of<2>(out, x, w, type, bias);
-    case 3: return qgemv_rows_of<3>(out, x, w, type, bias);
-    default: return qgemv_rows_of<4>(out, x, w, type, bias);
-  }
+  atom::qgemv_f32(out.data_ptr<float>(), x.data_ptr<float>(), x.size(0), x.size(1), w.data_ptr<uint8_t>(), w.size(0),
+                  type, b.has_value() ? b->data_ptr<float>() : nullptr);
 }
 
 template <int64_t Type, typename T>
@@ -418,20 +412,23 @@ void kdequantize_rows(const uint8_t* w, T* out, int64_t K, int64_t n0, int64_t n
 }
 
 template <typename T>
+void dequantize_range(const uint8_t* wp, T* op, int64_t K, int64_t type, int64_t b, int64_t e) {
+  switch (type) {
+    case Q4_0: return dequantize_rows<Q4_0>(wp, op, K, b, e);
+    case Q4_1: return dequantize_rows<Q4_1>(wp, op, K, b, e);
+    case Q8_0: return dequantize_rows<Q8_0>(wp, op, K, b, e);
+    case Q4_K: return kdequantize_rows<Q4_K>(wp, op, K, b, e);
+    case Q6_K: return kdequantize_rows<Q6_K>(wp, op, K, b, e);
+  }
+}
+
+template <typename T>
 struct Dequantize {
   static void run(at::Tensor& out, const at::Tensor& w, int64_t type) {
     const int64_t K = out.size(1);
     const uint8_t* wp = w.data_ptr<uint8_t>();
     T* op = out.data_ptr<T>();
-    at::parallel_for(0, w.size(0), 16, [&](int64_t b, int64_t e) {
-      switch (type) {
-        case Q4_0: return dequantize_rows<Q4_0>(wp, op, K, b, e);
-        case Q4_1: return dequantize_rows<Q4_1>(wp, op, K, b, e);
-        case Q8_0: return dequantize_rows<Q8_0>(wp, op, K, b, e);
-        case Q4_K: return kdequantize_rows<Q4_K>(wp, op, K, b, e);
-        case Q6_K: return kdequantize_rows<Q6_K>(wp, op, K, b, e);
-      }
-    });
+    at::parallel_for(0, w.size(0), 16, [&](int64_t b, int64_t e) { dequantize_range(wp, op, K, type, b, e); });
   }
 };
 
@@ -442,6 +439,30 @@ void dequantize(at::Tensor& out, const at::Tensor& w, int64_t type) {
 }
 
 }  // namespace
+
+namespace atom {
+
+int64_t quant_row_bytes(int64_t type, int64_t K) { return K / weights_per_block(type) * block_bytes(type); }
+
+void qgemv_f32(float* out, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int64_t type,
+               const float* bias) {
+  switch (M) {
+    case 1: return qgemv_rows_of<1>(out, x, K, w, N, type, bias);
+    case 2: return qgemv_rows_of<2>(out, x, K, w, N, type, bias);
+    case 3: return qgemv_rows_of<3>(out, x, K, w, N, type, bias);
+    default: return qgemv_rows_of<4>(out, x, K, w, N, type, bias);
+  }
+}
+
+void dequantize_row_f32(float* out, const uint8_t* row, int64_t K, int64_t type) {
+  dequantize_range(row, out, K, type, 0, 1);
+}
+
+void dequantize_f32(float* out, const uint8_t* w, int64_t rows, int64_t K, int64_t type) {
+  at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) { dequantize_range(w, out, K, type, b, e); });
+}
+
+}  // namespace atom
 
 TORCH_LIBRARY_FRAGMENT(atom, m) {
   m.def("qgemv(Tensor(a!) out, Tensor x, Tensor weight, int qtype, Tensor? bias) -> ()");

@@ -1,0 +1,245 @@
+// The fused decoder: a whole Llama-family forward of a step in one call
+// (models/fused.py builds it from a loaded model and says when it applies).
+// The op-by-op path spends about 250 us a layer in Python and in the
+// dispatcher around 170 us of kernels at SmolLM2's size; here the same
+// kernels (and, past 4 rows, the same GEMMs) run back to back, so the results
+// are the op-by-op path's bit for bit:
+//
+//   layer 0: x = rms_norm(residual = embed(ids))      later: x = add_rms_norm(x, residual)
+//   qkv = x Wqkv^T (+ b); q, k rows normalised (Qwen3); rotary on q, k
+//   k, v -> their slots of the paged cache; attn = paged_attention(q, cache)
+//   x = attn Wo^T (+ b); x = add_rms_norm(x, residual)
+//   x = (silu(x Wgate^T) * x Wup^T) Wdown^T
+//   end: x = add_rms_norm(x, residual) with the final norm
+//
+// Every linear is float32 (gemv up to 4 rows, torch's linear beyond) or GGUF
+// blocks (qgemv up to 4 rows, dequantized slices and GEMMs beyond);
+// activations float32.
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/add.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/mm.h>
+#include <ATen/Parallel.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "kernels.h"
+
+namespace {
+
+constexpr int64_t FLOAT = -1;  // a linear's type when its weight is float32
+
+constexpr int64_t MAX_GEMV_ROWS = 4;      // up to here the GEMV kernels; a GEMM beyond (models/ops.py, quant.py)
+constexpr int64_t SLICE_FLOATS = 1 << 17;  // quant.py's dequantized slice of weights per GEMM
+
+struct Linear {
+  at::Tensor weight;  // float32 [N, K], or uint8 rows of blocks
+  int64_t qtype = FLOAT;
+  at::Tensor bias;  // undefined: none
+  int64_t N = 0, K = 0;
+
+  // x [M, K] contiguous -> x W^T (+ b) [M, N], as CpuOps.linear computes it for M rows
+  at::Tensor run(const at::Tensor& x) const {
+    const int64_t M = x.size(0);
+    const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
+    if (M <= MAX_GEMV_ROWS) {
+      at::Tensor out = at::empty({M, N}, x.options());
+      if (qtype == FLOAT)
+        atom::gemv_f32(out.data_ptr<float>(), x.data_ptr<float>(), M, K, weight.data_ptr<float>(), N, b);
+      else
+        atom::qgemv_f32(out.data_ptr<float>(), x.data_ptr<float>(), M, K, weight.data_ptr<uint8_t>(), N, qtype, b);
+      return out;
+    }
+    if (qtype == FLOAT) return at::linear(x, weight, bias.defined() ? c10::optional<at::Tensor>(bias) : c10::nullopt);
+    // quant.cpu_linear: slices of dequantized rows, each through one GEMM while it is in cache
+    const int64_t rows = std::max<int64_t>(64, SLICE_FLOATS / K / 64 * 64), row_bytes = weight.size(1);
+    at::Tensor buffer = at::empty({std::min(rows, N), K}, x.options());
+    at::Tensor out = at::empty({N, M}, x.options());
+    const at::Tensor xt = x.t();
+    for (int64_t start = 0; start < N; start += rows) {
+      const int64_t n = std::min(rows, N - start);
+      at::Tensor part = buffer.narrow(0, 0, n);
+      atom::dequantize_f32(part.data_ptr<float>(), weight.data_ptr<uint8_t>() + start * row_bytes, n, K, qtype);
+      at::Tensor dst = out.narrow(0, start, n);
+      at::mm_out(dst, part, xt);
+    }
+    return (bias.defined() ? at::add(out.t(), bias) : out.t()).contiguous();
+  }
+};
+
+struct Layer {
+  at::Tensor input_norm, post_norm, q_norm, k_norm, sinks;  // the last three undefined when absent
+  int64_t window = 0;                                       // 0: the whole context
+  Linear qkv, o, gate_up, down;
+};
+
+void check_float(const at::Tensor& t, int64_t numel, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.device().is_cpu() && t.numel() == numel,
+              "Decoder: ", name, " must be a contiguous float32 CPU tensor of ", numel, " values");
+}
+
+class Decoder : public torch::CustomClassHolder {
+ public:
+  Decoder(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps)
+      : hidden_(hidden), H_(heads), KVH_(kv_heads), D_(head_dim), I_(intermediate), eps_(float(eps)) {
+    TORCH_CHECK(heads % kv_heads == 0 && head_dim % 16 == 0 && hidden % 8 == 0 && intermediate % 8 == 0,
+                "Decoder: unsupported shape");
+  }
+
+  void add_layer(const at::Tensor& input_norm, const at::Tensor& post_norm, const c10::optional<at::Tensor>& q_norm,
+                 const c10::optional<at::Tensor>& k_norm, const c10::optional<at::Tensor>& sinks, int64_t window) {
+    Layer layer;
+    check_float(input_norm, hidden_, "input_norm"), check_float(post_norm, hidden_, "post_norm");
+    layer.input_norm = input_norm, layer.post_norm = post_norm;
+    if (q_norm.has_value()) check_float(*q_norm, D_, "q_norm"), layer.q_norm = *q_norm;
+    if (k_norm.has_value()) check_float(*k_norm, D_, "k_norm"), layer.k_norm = *k_norm;
+    TORCH_CHECK(layer.q_norm.defined() == layer.k_norm.defined(), "Decoder: q_norm and k_norm come together");
+    if (sinks.has_value()) check_float(*sinks, H_, "sinks"), layer.sinks = *sinks;
+    TORCH_CHECK(window >= 0, "Decoder: window must be >= 0");
+    layer.window = window;
+    layers_.push_back(layer);
+  }
+
+  // slot 0 qkv, 1 o, 2 gate_up, 3 down of the last layer added
+  void set_linear(int64_t slot, const at::Tensor& weight, int64_t qtype, const c10::optional<at::Tensor>& bias) {
+    TORCH_CHECK(!layers_.empty() && slot >= 0 && slot < 4, "Decoder: set_linear before add_layer, or a bad slot");
+    Layer& layer = layers_.back();
+    const int64_t qkv_width = (H_ + 2 * KVH_) * D_;
+    const int64_t shapes[4][2] = {{qkv_width, hidden_}, {hidden_, H_ * D_}, {2 * I_, hidden_}, {hidden_, I_}};
+    Linear* linear[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
+    Linear& lin = *linear[slot];
+    lin.N = shapes[slot][0], lin.K = shapes[slot][1];
+    TORCH_CHECK(weight.is_contiguous() && weight.device().is_cpu() && weight.dim() == 2 && weight.size(0) == lin.N,
+                "Decoder: linear ", slot, " must be a contiguous CPU [", lin.N, ", ...] tensor");
+    const bool fits = qtype == FLOAT ? weight.scalar_type() == at::kFloat && weight.size(1) == lin.K
+                                     : weight.scalar_type() == at::kByte &&
+                                           weight.size(1) == atom::quant_row_bytes(qtype, lin.K);
+    TORCH_CHECK(fits, "Decoder: linear ", slot, " of type ", qtype, " does not match K = ", lin.K);
+    lin.weight = weight, lin.qtype = qtype;
+    if (bias.has_value()) check_float(*bias, lin.N, "bias"), lin.bias = *bias;
+  }
+
+  void set_embedding(const at::Tensor& weight, int64_t qtype) {
+    TORCH_CHECK(weight.is_contiguous() && weight.dim() == 2, "Decoder: the embedding must be contiguous 2-D");
+    const bool fits = qtype == FLOAT ? weight.scalar_type() == at::kFloat && weight.size(1) == hidden_
+                                     : weight.scalar_type() == at::kByte &&
+                                           weight.size(1) == atom::quant_row_bytes(qtype, hidden_);
+    TORCH_CHECK(fits, "Decoder: the embedding of type ", qtype, " does not match hidden_size ", hidden_);
+    embedding_ = weight, embedding_qtype_ = qtype;
+  }
+
+  void set_norm(const at::Tensor& weight) { check_float(weight, hidden_, "norm"), norm_ = weight; }
+
+  // hidden states [T, hidden] of the step's tokens, after the final norm; the step's keys and values are
+  // written to each layer's cache first
+  at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& cos, const at::Tensor& sin,
+                     const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
+                     const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                     const at::Tensor& query_start, int64_t block_size) {
+    const int64_t T = input_ids.size(0), L = layers_.size();
+    TORCH_CHECK(T >= 1, "Decoder: an empty step");
+    TORCH_CHECK(norm_.defined() && embedding_.defined() && L > 0, "Decoder: not fully built");
+    check_caches(k_caches, v_caches);
+    TORCH_CHECK(input_ids.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong &&
+                    input_ids.is_contiguous() && slot_mapping.is_contiguous() && slot_mapping.numel() == T,
+                "Decoder: input_ids and slot_mapping must be contiguous int64 [T]");
+    TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                    sin.is_contiguous() && cos.numel() == T * D_ / 2 && sin.numel() == T * D_ / 2,
+                "Decoder: cos and sin must be contiguous float32 [T, head_dim / 2]");
+    const int64_t W = (H_ + 2 * KVH_) * D_, kv_row = KVH_ * D_;
+    const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+    for (int64_t t = 0; t < T; ++t)
+      TORCH_CHECK(slots[t] >= 0 && slots[t] < k_caches[0].size(0), "Decoder: slot ", slots[t], " is out of the cache");
+    const auto f32 = at::TensorOptions().dtype(at::kFloat);
+    at::Tensor residual = at::empty({T, hidden_}, f32);
+    embed(input_ids.data_ptr<int64_t>(), T, residual.data_ptr<float>());
+    float* r = residual.data_ptr<float>();
+    at::Tensor x = at::empty({T, hidden_}, f32);  // the normalised rows into each layer, then its output
+    at::Tensor q = at::empty({T, H_, D_}, f32), attn = at::empty({T, H_, D_}, f32);
+    const double scale = 1.0 / std::sqrt(double(D_));
+    for (int64_t l = 0; l < L; ++l) {
+      const Layer& layer = layers_[l];
+      if (l == 0)
+        atom::rms_norm_f32(x.data_ptr<float>(), r, layer.input_norm.data_ptr<float>(), T, hidden_, eps_);
+      else
+        atom::add_rms_norm_f32(x.data_ptr<float>(), r, layer.input_norm.data_ptr<float>(), T, hidden_, eps_);
+      const at::Tensor qkv = layer.qkv.run(x);
+      float* qkvp = qkv.data_ptr<float>();
+      if (layer.q_norm.defined()) {  // per head, in place
+        for (int64_t t = 0; t < T; ++t) {
+          float* row = qkvp + t * W;
+          atom::rms_norm_f32(row, row, layer.q_norm.data_ptr<float>(), H_, D_, eps_);
+          atom::rms_norm_f32(row + H_ * D_, row + H_ * D_, layer.k_norm.data_ptr<float>(), KVH_, D_, eps_);
+        }
+      }
+      atom::rotary_f32(qkvp, W, H_, qkvp + H_ * D_, W, KVH_, T, D_, cos.data_ptr<float>(), sin.data_ptr<float>());
+      const at::Tensor &k_cache = k_caches[l], &v_cache = v_caches[l];
+      float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>(), *qp = q.data_ptr<float>();
+      at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) {
+          const float* row = qkvp + t * W;
+          std::memcpy(qp + t * H_ * D_, row, H_ * D_ * sizeof(float));
+          std::memcpy(kc + slots[t] * kv_row, row + H_ * D_, kv_row * sizeof(float));
+          std::memcpy(vc + slots[t] * kv_row, row + (H_ + KVH_) * D_, kv_row * sizeof(float));
+        }
+      });
+      paged_attention(attn, q, k_cache, v_cache, block_tables, seq_lens, query_start, block_size, scale, layer.window,
+                      layer.sinks.defined() ? c10::optional<at::Tensor>(layer.sinks) : c10::nullopt);
+      x = layer.o.run(attn.view({T, H_ * D_}));
+      atom::add_rms_norm_f32(x.data_ptr<float>(), r, layer.post_norm.data_ptr<float>(), T, hidden_, eps_);
+      const at::Tensor gate_up = layer.gate_up.run(x);
+      at::Tensor act = at::empty({T, I_}, f32);
+      atom::silu_and_mul_f32(act.data_ptr<float>(), gate_up.data_ptr<float>(), T, I_);
+      x = layer.down.run(act);
+    }
+    atom::add_rms_norm_f32(x.data_ptr<float>(), r, norm_.data_ptr<float>(), T, hidden_, eps_);
+    return x;
+  }
+
+ private:
+  void check_caches(const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches) const {
+    TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(), "Decoder: one cache per layer");
+    for (const auto* caches : {&k_caches, &v_caches})
+      for (const at::Tensor& c : *caches)
+        TORCH_CHECK(c.scalar_type() == at::kFloat && c.is_contiguous() && c.dim() == 3 && c.size(1) == KVH_ &&
+                        c.size(2) == D_ && c.size(0) == k_caches[0].size(0),
+                    "Decoder: caches must be contiguous float32 [slots, kv_heads, head_dim]");
+  }
+
+  void embed(const int64_t* ids, int64_t T, float* out) const {
+    const int64_t vocab = embedding_.size(0);
+    for (int64_t t = 0; t < T; ++t) {
+      TORCH_CHECK(ids[t] >= 0 && ids[t] < vocab, "Decoder: token id ", ids[t], " is out of the vocabulary");
+      if (embedding_qtype_ == FLOAT)
+        std::memcpy(out + t * hidden_, embedding_.data_ptr<float>() + ids[t] * hidden_, hidden_ * sizeof(float));
+      else
+        atom::dequantize_row_f32(out + t * hidden_, embedding_.data_ptr<uint8_t>() + ids[t] * embedding_.size(1),
+                                 hidden_, embedding_qtype_);
+    }
+  }
+
+  int64_t hidden_, H_, KVH_, D_, I_;
+  float eps_;
+  std::vector<Layer> layers_;
+  at::Tensor embedding_, norm_;
+  int64_t embedding_qtype_ = FLOAT;
+};
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(atom, m) {
+  m.class_<Decoder>("Decoder")
+      .def(torch::init<int64_t, int64_t, int64_t, int64_t, int64_t, double>())
+      .def("add_layer", &Decoder::add_layer)
+      .def("set_linear", &Decoder::set_linear)
+      .def("set_embedding", &Decoder::set_embedding)
+      .def("set_norm", &Decoder::set_norm)
+      .def("forward", &Decoder::forward);
+}

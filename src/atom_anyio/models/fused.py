@@ -1,0 +1,82 @@
+"""The fused CPU decoder (``engine/csrc/decoder.cpp``): a step runs the whole
+model in one C++ call. It calls the kernels the op-by-op path calls (and past
+four rows the same GEMMs), in the same order, so its hidden states are that
+path's bit for bit; what it saves is Python and the dispatcher between them
+(about a third of a single-sequence decode step of SmolLM2-135M Q4_1 on two
+cores).
+
+``build(model)`` returns the decoder when every part of the model runs on
+those kernels (the ``cpu`` attention backend; float32 activations; every
+linear layer float32 or GGUF blocks; a dense MLP; one rank), else None with
+the reason. The decoder holds the model's own weight tensors, not copies.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from atom_anyio.engine import kernels
+from atom_anyio.models.ops import CpuOps
+from atom_anyio.models.quant import BLOCKS, QuantizedWeight
+
+FLOAT = -1  # decoder.cpp's type of a float32 weight
+
+
+def build(model: nn.Module) -> tuple[torch.ScriptObject | None, str | None]:
+    """``(decoder, None)``, or ``(None, why not)``."""
+    cfg = model.config
+    if model.attention_backend.ops is not CpuOps:
+        return None, f"attention backend {model.attention_backend.name!r} (the fused decoder runs the cpu kernels)"
+    if model.tp.size > 1:
+        return None, "tensor parallelism"
+    if cfg.moe is not None:
+        return None, "mixture-of-experts layers"
+    if cfg.head_dim % 16 or cfg.hidden_size % 8 or cfg.intermediate_size % 8:
+        return None, "head_dim, hidden_size or intermediate_size off the kernels' multiples"
+    if any(p.dtype != torch.float32 or p.device.type != "cpu" for p in model.parameters()):
+        return None, "weights other than float32 on the CPU"
+    if kernels.load_cpu_kernels() is not None:
+        return None, "the CPU kernels are not built"
+    decoder = torch.classes.atom.Decoder(
+        cfg.hidden_size,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        cfg.intermediate_size,
+        cfg.rms_norm_eps,
+    )
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        q_norm, k_norm = (attn.q_norm.weight, attn.k_norm.weight) if hasattr(attn, "q_norm") else (None, None)
+        sinks = None if attn.sinks is None else attn.sinks.detach().float().contiguous()
+        decoder.add_layer(
+            layer.input_layernorm.weight,
+            layer.post_attention_layernorm.weight,
+            q_norm,
+            k_norm,
+            sinks,
+            cfg.window(i) or 0,
+        )
+        for slot, linear in enumerate((attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)):
+            weight, qtype = _weight(linear.weight)
+            if weight is None:
+                return None, f"layer {i}: a {qtype} weight"
+            decoder.set_linear(slot, weight, qtype, linear.bias)
+    weight, qtype = _weight(model.model.embed_tokens.weight)
+    if weight is None:
+        return None, f"a {qtype} embedding"
+    decoder.set_embedding(weight, qtype)
+    decoder.set_norm(model.model.norm.weight)
+    return decoder, None
+
+
+def _weight(w: torch.Tensor | QuantizedWeight) -> tuple[torch.Tensor | None, int | str]:
+    """The tensor decoder.cpp reads and its type, or None and what it is."""
+    if isinstance(w, QuantizedWeight):
+        if w.qtype not in BLOCKS or w.dtype != torch.float32:
+            return None, f"{w.qtype.name} with {w.dtype} activations"
+        return w.data, w.qtype.value
+    if w.dtype != torch.float32 or not w.is_contiguous() or w.shape[-1] % 8:
+        return None, f"{w.dtype} (or non-contiguous, or width not a multiple of 8)"
+    return w.detach(), FLOAT

@@ -1,0 +1,189 @@
+"""The fused CPU decoder (models/fused.py, engine/csrc/decoder.cpp) against
+the op-by-op path it replaces, for steps of one token to a prefill chunk: the same
+hidden states and the same KV-cache writes, bit for bit, for each weight
+type and each attention variant the decoder takes; the models it does not
+take say why and run op by op; and served end to end, the greedy tokens are
+the op-by-op path's."""
+
+from __future__ import annotations
+
+import gguf
+import pytest
+import test_models
+import torch
+import transformers
+from test_models import SIZES, byte_level_tokenizer_metadata, write_gguf
+from test_quant import quantize_k
+
+from atom_anyio import LLM, SamplingParams
+from atom_anyio.engine import kernels
+from atom_anyio.engine.attention import AttentionMetadata, CpuPagedAttention, TorchPagedAttention
+from atom_anyio.models import fused
+from atom_anyio.models.llama import FULL, SLIDING, LlamaForCausalLM, ModelConfig
+from atom_anyio.models.loader import load_model
+from atom_anyio.models.moe import MoeConfig
+
+Q = gguf.GGMLQuantizationType
+BLOCK = 4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    reason = kernels.load_cpu_kernels()
+    if reason is not None:
+        pytest.skip(f"CPU kernels unavailable: {reason}")
+
+
+def random_model(seed: int = 0, backend=None, **overrides) -> LlamaForCausalLM:
+    """A float32 model with every parameter random (norm weights and sinks too), seeded."""
+    sizes = dict(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+    )
+    cfg = ModelConfig(**{**sizes, **overrides})
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg, backend or CpuPagedAttention()).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
+    return model
+
+
+# (query_lens, context_lens), decodes first: up to four tokens run the GEMV kernels, more the GEMMs
+STEPS = {
+    "one decode": ([1], [37]),
+    "four decodes across block ends": ([1, 1, 1, 1], [4, 5, 9, 70]),
+    "a fresh prompt of three": ([3], [3]),
+    "decodes and a chunk": ([1, 1, 2], [12, 40, 7]),
+    "six decodes": ([1] * 6, [2, 4, 5, 17, 33, 90]),
+    "a fresh prompt of 37": ([37], [37]),
+    "decodes and a chunk over a cached prefix": ([1, 1, 30], [12, 40, 75]),
+}
+
+
+def run_both(model: LlamaForCausalLM, query_lens: list[int], context_lens: list[int], seed: int = 0):
+    """The step's hidden states and KV caches, fused and op by op, from the same random cache."""
+    cfg = model.config
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-c // BLOCK) for c in context_lens]
+    order = torch.randperm(sum(need) + 3, generator=g).tolist()
+    tables, start = [], 0
+    for n in need:
+        tables.append(order[start : start + n])
+        start += n
+    shape = (len(order) * BLOCK, cfg.num_key_value_heads, cfg.head_dim)
+    dtype = model.model.norm.weight.dtype
+    caches = [
+        (torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype))
+        for _ in range(cfg.num_hidden_layers)
+    ]
+    ids = torch.randint(0, cfg.vocab_size, (sum(query_lens),), generator=g)
+    positions = torch.cat([torch.arange(c - q, c) for q, c in zip(query_lens, context_lens, strict=True)])
+    results = []
+    for use_fused in (True, False):
+        model.use_fused = use_fused
+        kv = [(k.clone(), v.clone()) for k, v in caches]
+        meta = AttentionMetadata.build(tables, context_lens, query_lens, BLOCK, torch.device("cpu"))
+        with torch.inference_mode():
+            results.append((model(ids, positions, meta, kv), kv))
+    model.use_fused = True
+    return results
+
+
+def assert_same(model: LlamaForCausalLM, step: str) -> None:
+    (fused_out, fused_kv), (ops_out, ops_kv) = run_both(model, *STEPS[step])
+    assert model._fused[0] is not None, model._fused[1]
+    assert torch.equal(fused_out, ops_out)
+    for (fk, fv), (ok, ov) in zip(fused_kv, ops_kv, strict=True):
+        assert torch.equal(fk, ok) and torch.equal(fv, ov)
+
+
+VARIANTS = {
+    "llama": {},
+    "qwen2 qkv bias": {"attention_bias": True},
+    "qwen3 q/k norm": {"qk_norm": True},
+    "windows and sinks": {
+        "sliding_window": 5,
+        "layer_types": (SLIDING, FULL, SLIDING),
+        "attention_sinks": True,
+        "o_proj_bias": True,
+    },
+    "one kv head": {"num_key_value_heads": 1},
+}
+
+
+@pytest.mark.parametrize("step", list(STEPS))
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_fused_step_equals_the_op_by_op_path_in_float32(variant, step):
+    assert_same(random_model(**VARIANTS[variant]), step)
+
+
+@pytest.fixture(scope="module")
+def tiny_ggufs(tmp_path_factory):
+    """One seeded tiny Llama as GGUFs of each type with a kernel (256 wide: K-quant rows are multiples of 256)."""
+    torch.manual_seed(0)
+    sizes = {**SIZES, "vocab_size": 262, "num_key_value_heads": 2, "hidden_size": 256, "intermediate_size": 512}
+    config = transformers.LlamaConfig(**sizes)
+    config.initializer_range = 0.2
+    hf = transformers.LlamaForCausalLM(config).eval()
+    root = tmp_path_factory.mktemp("fused")
+    paths = {}
+    with pytest.MonkeyPatch.context() as mp:  # gguf's quantize has no K-quants
+        quantize = test_models.quantize
+        mp.setattr(
+            test_models, "quantize", lambda w, kind: quantize_k(w, kind) if kind in (Q.Q4_K,) else quantize(w, kind)
+        )
+        for qtype in (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K):
+            paths[qtype] = root / f"tiny.{qtype.name}.gguf"
+            write_gguf(paths[qtype], "llama", hf, qtype.name, metadata=[byte_level_tokenizer_metadata])
+    return paths
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K], ids=lambda t: t.name)
+@pytest.mark.parametrize(
+    "step", ["one decode", "four decodes across block ends", "decodes and a chunk over a cached prefix"]
+)
+def test_fused_step_equals_the_op_by_op_path_with_quantized_weights(tiny_ggufs, qtype, step):
+    model = load_model(tiny_ggufs[qtype], dtype="auto", attention_backend="cpu").model
+    assert model.dtype_name == f"float32+{qtype.name}"  # kept quantized: the embedding and the head too
+    assert_same(model, step)
+
+
+def test_models_the_fused_decoder_does_not_take_say_why_and_run_op_by_op():
+    moe = MoeConfig(num_experts=4, top_k=2, intermediate_size=32)
+    cases = {
+        "attention backend 'torch'": random_model(backend=TorchPagedAttention()),
+        "mixture-of-experts": random_model(moe=moe, architecture="Qwen3MoeForCausalLM"),
+        "weights other than float32": random_model().to(torch.bfloat16),
+    }
+    for reason, model in cases.items():
+        decoder, why = fused.build(model)
+        assert decoder is None and reason in why
+        (out, _), (ref, _) = run_both(model, *STEPS["one decode"])
+        assert model._fused == (None, why) and torch.equal(out, ref)
+
+
+def test_an_out_of_vocabulary_token_is_an_error_not_a_crash():
+    model = random_model()
+    meta = AttentionMetadata.build([[0]], [1], [1], BLOCK, torch.device("cpu"))
+    kv = [(torch.zeros(BLOCK, 2, 16), torch.zeros(BLOCK, 2, 16)) for _ in range(3)]
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="out of the vocabulary"):
+        model(torch.tensor([300]), torch.tensor([0]), meta, kv)
+
+
+def test_served_greedy_tokens_equal_the_op_by_op_engines(tiny_ggufs):
+    prompts = [[258, 72, 101, 108], [259, 97, 98, 99, 100, 101, 102, 103, 104, 105, 106], [260, 7]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outputs = {}
+    for use_fused in (True, False):
+        llm = LLM(str(tiny_ggufs[Q.Q4_1]), attention_backend="cpu", num_kv_blocks=64)
+        llm.loaded.model.use_fused = use_fused
+        outputs[use_fused] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert (llm.loaded.model._fused is not None) == use_fused
+    assert outputs[True] == outputs[False]
