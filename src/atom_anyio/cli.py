@@ -134,7 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_setting_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per setting, with its help, default and variable (``config.all_settings``)."""
+    """One flag per setting, with its help, default and variable (``config.all_settings``). A
+    boolean flag alone means true (``--async-scheduling``), or takes a value (``--cuda-graphs false``)."""
+    import typing
+
     from atom_anyio.config import all_settings
     from atom_anyio.settings import parser_of, setting_name
 
@@ -142,11 +145,13 @@ def add_setting_flags(parser: argparse.ArgumentParser) -> None:
         name = setting_name(f)
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         shown = "" if name == "api_key" else f"; default {default!r}"
+        is_bool = typing.get_type_hints(owner)[f.name] is bool
         parser.add_argument(
             f"--{name.replace('_', '-')}",
             dest=name,
             type=parser_of(owner, f),
             default=None,
+            **({"nargs": "?", "const": True} if is_bool else {}),
             metavar=name.upper(),
             help=f"{f.metadata['help']} (ATOM_{name.upper()}{shown})",
         )

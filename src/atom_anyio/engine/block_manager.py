@@ -108,7 +108,9 @@ class BlockManager:
     # allocation
 
     def num_blocks_to_grow(self, seq: Sequence, num_new_tokens: int) -> int:
-        return max(0, self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table))
+        """Blocks to add for ``num_new_tokens`` after those computed and those of a step in flight (async scheduling)."""
+        num_tokens = seq.num_computed_tokens + seq.num_scheduled_tokens + num_new_tokens
+        return max(0, self.blocks_needed(num_tokens) - len(seq.block_table))
 
     def grow(self, seq: Sequence, num_new_tokens: int) -> None:
         """Give ``seq`` slots for its next ``num_new_tokens`` tokens."""

@@ -33,6 +33,9 @@ class EngineConfig:
     cuda_graphs: bool = setting(
         False, "decode batches padded to 1, 2, 4 .. max_num_seqs and captured as CUDA graphs (untested on a GPU)"
     )
+    async_scheduling: bool = setting(
+        False, "schedule the next step while the model runs this one (vLLM's --async-scheduling; docs/engine.md)"
+    )
     kv_events: KVEventsConfig | None = setting(
         None,
         "vLLM's --kv-events-config JSON: publish KV-cache events over ZMQ (docs/operations.md)",
@@ -50,6 +53,8 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be at least 1, not {self.tensor_parallel_size}")
         if self.tensor_parallel_size > 1 and self.cuda_graphs:
             raise ValueError("cuda_graphs runs with tensor_parallel_size 1 only")
+        if self.tensor_parallel_size > 1 and self.async_scheduling:
+            raise ValueError("async_scheduling runs with tensor_parallel_size 1 only")
         if self.kv_cache_gib <= 0:
             raise ValueError(f"kv_cache_gib must be positive, not {self.kv_cache_gib}")
 

@@ -8,6 +8,9 @@ deltas, the engine never waits); every sequence of the request holds a
 sender. A closed stream makes the next ``send_nowait`` fail (or is seen
 before scheduling) and the sequence is aborted and its blocks freed. A finished sequence sends its last
 delta, closes its send stream and is dropped: nothing keeps finished ones.
+
+With ``async_scheduling`` the next step is scheduled and sent while the worker
+runs this one (``_overlapped_step``); the synchronous round is unchanged.
 """
 
 from __future__ import annotations
@@ -15,7 +18,10 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from array import array
+from collections import deque
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 import anyio
 import structlog
@@ -41,6 +47,20 @@ class EngineStopped(RuntimeError):
     """The engine loop is not running (it crashed or was stopped): nothing can be submitted."""
 
 
+@dataclass
+class InFlight:
+    """Async scheduling: a step sent to the worker whose result is not yet postprocessed."""
+
+    batch: ScheduledBatch
+    step: StepInput
+    schedule_s: float
+    failed: bool = False  # its sequences failed with the step before it: its result is dropped
+
+    def sample_rows(self) -> dict[int, int]:
+        """Each sampling sequence's sample row in this step, by ``seq_id``."""
+        return {self.batch.seqs[row].seq_id: j for j, row in enumerate(self.step.sample_rows)}
+
+
 class Engine:
     def __init__(self, loaded: LoadedModel, cfg: EngineConfig = EngineConfig()):
         self.cfg = cfg
@@ -64,6 +84,7 @@ class Engine:
         else:
             self.worker = Worker(loaded.model, num_blocks, cfg.block_size, cfg.cpu_threads, decode_graphs=graphs)
         self._inbox: list[Sequence] = []
+        self._in_flight: deque[InFlight] = deque()  # async scheduling: at most two steps
         self._wakeup: anyio.Event | None = None  # created by run(): an Event belongs to one event loop
         self.is_running = False
         self.error: str | None = None  # why the engine stopped serving, when it did
@@ -150,11 +171,12 @@ class Engine:
         self._wakeup = anyio.Event()
         try:
             async with anyio.create_task_group() as tg, step_tx, result_rx, self.kv_events or contextlib.nullcontext():
-                await tg.start(self.worker.run, step_rx, result_tx)
+                overlapped = self.cfg.async_scheduling
+                await tg.start(self.worker.run_overlapped if overlapped else self.worker.run, step_rx, result_tx)
                 self.is_running = True
                 self.error = None
                 task_status.started()
-                await self._serve(step_tx, result_rx)
+                await (self._serve_overlapped if overlapped else self._serve)(step_tx, result_rx)
         except BaseException as exc:
             if not isinstance(exc, anyio.get_cancelled_exc_class()) and self.error is None:
                 cause = _crash_cause(exc)
@@ -196,6 +218,67 @@ class Engine:
             self.kv_events.publish(events)
         self._account(t1 - t0, result, time.perf_counter() - t2, batch)
 
+    async def _serve_overlapped(self, step_tx, result_rx) -> None:
+        sched = self.scheduler
+        while True:
+            self._admit_inbox()
+            self._reap_abandoned()
+            if not sched.has_work and not self._in_flight:
+                await self._wakeup.wait()
+                self._wakeup = anyio.Event()
+                continue
+            await self._overlapped_step(step_tx, result_rx)
+
+    async def _overlapped_step(self, step_tx, result_rx) -> None:
+        """Async scheduling's round: schedule a step as if the step in flight had sampled one token
+        for each of its sampling rows (the worker fills those in) and send it; then, with two steps
+        in flight or nothing new to send, postprocess the older one's result while the newer runs.
+        Its locals die when it returns, as ``_step``'s do."""
+        in_flight = self._in_flight
+        t0 = time.perf_counter()
+        batch = self.scheduler.schedule() if self.scheduler.has_work else ScheduledBatch()
+        if batch.seqs:
+            step = self._build_step(batch, in_flight[-1].sample_rows() if in_flight else {})
+            # copies: scheduling the next step grows these tables while this step runs
+            step.block_tables = [array("i", table) for table in step.block_tables]
+            for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
+                seq.num_scheduled_tokens += n
+            for row in step.sample_rows:
+                batch.seqs[row].num_placeholders += 1
+            in_flight.append(InFlight(batch, step, time.perf_counter() - t0))
+            await step_tx.send(step)  # the worker takes it as soon as the step before it ends
+            if len(in_flight) == 1:
+                return  # schedule the next one while this one runs
+        elif not in_flight:  # nothing fits right now: yield and retry, as _step does
+            await anyio.sleep(0)
+            return
+        result = await result_rx.receive()
+        done = in_flight.popleft()  # after the wait: a cancelled loop still finds it in _end_all
+        t2 = time.perf_counter()
+        self._postprocess_overlapped(done, result)
+        if self.kv_events is not None and (events := self.block_manager.take_events()):
+            self.kv_events.publish(events)
+        self._account(done.schedule_s, result, time.perf_counter() - t2, done.batch)
+
+    def _postprocess_overlapped(self, done: InFlight, result: StepOutput) -> None:
+        """``_postprocess`` for a step that may have a later one in flight: a sequence that ended
+        meanwhile has its token dropped, and its blocks are freed once no step in flight has it."""
+        batch = done.batch
+        for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
+            seq.num_scheduled_tokens -= n
+        for row in done.step.sample_rows:
+            batch.seqs[row].num_placeholders -= 1
+        if result.error is not None and not done.failed:
+            for later in self._in_flight:  # their inputs came from this step's tokens
+                later.failed = True
+            seqs = [*batch.seqs, *(s for later in self._in_flight for s in later.batch.seqs)]
+            self._fail_batch(ScheduledBatch([s for s in dict.fromkeys(seqs) if not s.is_finished]), result.error)
+        elif not done.failed:
+            self._postprocess(batch, done.step, result)
+        for seq in batch.seqs:
+            if seq.is_finished and not seq.num_scheduled_tokens:
+                self.block_manager.free_seq(seq)
+
     def _admit_inbox(self) -> None:
         for seq in self._inbox:
             self.scheduler.add(seq)
@@ -208,23 +291,29 @@ class Engine:
             if seq.stream.is_abandoned:
                 self._retire(seq)
 
-    def _build_step(self, batch: ScheduledBatch) -> StepInput:
+    def _build_step(self, batch: ScheduledBatch, prev_rows: dict[int, int] | None = None) -> StepInput:
+        """``prev_rows`` (async scheduling): the step in flight's sample row of each sequence it samples."""
         input_ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []
         sampled: list[Sequence] = []
         context_lens = []
         prompt_rows: list[PromptRows] = []
+        prev_tokens: list[tuple[int, int]] = []
         for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens, strict=True)):
-            start = seq.num_computed_tokens
+            start = seq.num_computed_tokens + seq.num_scheduled_tokens
             if seq.computes_prompt_logprobs and (rows := _prompt_rows(seq, row, len(input_ids), start, n)):
                 prompt_rows.append(rows)
             input_ids += seq.token_ids[start : start + n]
+            if seq.num_placeholders:  # its last input is the token the step in flight samples
+                assert start + n == len(seq) + 1
+                prev_tokens.append((len(input_ids), prev_rows[seq.seq_id]))
+                input_ids.append(PLACEHOLDER_TOKEN)
             positions += range(start, start + n)
             context_lens.append(start + n)
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
-            if start + n == len(seq) and seq.max_tokens > 0:
+            if start + n == len(seq) + seq.num_placeholders and seq.max_tokens > 0:
                 sample_rows.append(row)
                 sampled.append(seq)
         sampling = SamplingInputs(
@@ -232,7 +321,7 @@ class Engine:
             prompt_token_ids=[s.prompt_token_ids for s in sampled]
             if any(s.params.repetition_penalty != 1.0 for s in sampled)
             else [[] for _ in sampled],
-            output_token_ids=[s.output_token_ids for s in sampled],
+            output_token_ids=[_output_token_ids(s) for s in sampled],
             seeds=[s.seed for s in sampled],
             eos_token_ids=self.eos_token_ids,
             matchers=[s.active_matcher for s in sampled] if any(s.matcher is not None for s in sampled) else [],
@@ -246,6 +335,7 @@ class Engine:
             sample_rows=sample_rows,
             sampling=sampling,
             prompt_rows=prompt_rows,
+            prev_tokens=prev_tokens,
         )
 
     def _postprocess(self, batch: ScheduledBatch, step: StepInput, result: StepOutput) -> None:
@@ -256,6 +346,8 @@ class Engine:
         for rows, lps in zip(step.prompt_rows, result.prompt_logprobs, strict=True):
             batch.seqs[rows.row].prompt_logprobs += lps
         for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
+            if seq.is_finished:  # async scheduling: it ended while this step ran
+                continue
             seq.num_computed_tokens += n
             if self.cfg.enable_prefix_caching:
                 self.block_manager.commit(seq)
@@ -374,6 +466,12 @@ class Engine:
             raise RuntimeError(self.error)
 
     def _end_all(self, error: str) -> None:
+        for done in self._in_flight:  # the worker is done with them: the loop's task group has exited
+            for seq in done.batch.seqs:
+                seq.num_scheduled_tokens = seq.num_placeholders = 0
+                if seq.is_finished:
+                    self.block_manager.free_seq(seq)
+        self._in_flight.clear()
         sched = self.scheduler
         for seq in [*sched.running, *sched.waiting, *self._inbox]:
             self._retire(seq, error)
@@ -396,6 +494,17 @@ def _crash_cause(exc: BaseException) -> BaseException:
         _, rest = exc.split(anyio.EndOfStream)
         exc = (rest or exc).exceptions[0]
     return exc
+
+
+PLACEHOLDER_TOKEN = 0  # async scheduling: an input the worker replaces with the previous step's token
+
+
+def _output_token_ids(seq: Sequence) -> list[int]:
+    """The generated tokens the sampler sees. A token still being sampled (async scheduling) is a
+    placeholder: only a row that ``runs_ahead`` has one, and of it the sampler reads just the count
+    (its seed's step, ``min_tokens``)."""
+    out = seq.output_token_ids
+    return out + [PLACEHOLDER_TOKEN] * seq.num_placeholders if seq.num_placeholders else out
 
 
 def _is_terminated(seq: Sequence) -> bool:

@@ -34,6 +34,7 @@ class SamplingInputs:
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[Logprob | None]  # None where params.logprobs is None
+    ids: torch.Tensor | None = None  # token_ids on the device (async scheduling feeds them to the next step)
 
 
 class Sampler:
@@ -71,20 +72,20 @@ def process_logits(logits: torch.Tensor, inputs: SamplingInputs) -> torch.Tensor
         if len(inputs.output_token_ids[i]) < p.min_tokens and not (inputs.matchers and inputs.matchers[i] is not None)
     ]
     has_bias = any(p.logit_bias for p in params)
-    has_penalty = any(_has_penalty(p) for p in params)
-    if not (has_bias or under_min or has_penalty):
+    penalised = any(has_penalty(p) for p in params)
+    if not (has_bias or under_min or penalised):
         return logits
     logits = logits.clone()
     if has_bias:
         _add_logit_bias(logits, params)
     if under_min:
         _mask_stop_tokens(logits, inputs, under_min)
-    if has_penalty:
+    if penalised:
         _apply_penalties(logits, inputs)
     return logits
 
 
-def _has_penalty(p: SamplingParams) -> bool:
+def has_penalty(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
 
 
@@ -192,7 +193,7 @@ def _to_output(
     reported = token_ids if finite is None else torch.where(finite, token_ids, INVALID_TOKEN)
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not rows:
-        return SamplerOutput(reported.tolist(), [None] * len(params))
+        return SamplerOutput(reported.tolist(), [None] * len(params), token_ids)
     index = _long(rows, raw.device)
     logprobs = torch.log_softmax(raw[index].float(), dim=-1)
     chosen = logprobs.gather(1, token_ids[index].unsqueeze(1)).squeeze(1)
@@ -208,4 +209,4 @@ def _to_output(
         n = params[i].logprobs
         top = list(zip(top_ids_list[j * width : j * width + n], values[j][1 : 1 + n], strict=True))
         out[i] = Logprob(ids[i], values[j][0], top)
-    return SamplerOutput(ids[: len(params)], out)
+    return SamplerOutput(ids[: len(params)], out, token_ids)

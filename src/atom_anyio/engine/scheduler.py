@@ -6,6 +6,11 @@ then waiting sequences, oldest first, while the budget, ``max_num_seqs`` and
 free blocks allow. A running sequence that needs a block when none is free
 preempts the newest running sequence (recompute: its blocks are freed and it
 goes back to the head of the queue; its prefix is usually still cached).
+
+Async scheduling: the next step is scheduled while the step in flight runs. A
+sequence of that step is scheduled again only if ``runs_ahead`` (its next input
+is the token being sampled, which the worker fills in); it is never preempted
+and its blocks are not freed until the step's result is back.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from atom_anyio.engine.block_manager import BlockManager
+from atom_anyio.engine.sampler import has_penalty
 from atom_anyio.engine.sequence import Sequence, Status
 
 
@@ -54,11 +60,20 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_uncomputed_tokens, budget)
-            while self.bm.num_blocks_to_grow(seq, n) > self.bm.num_free_blocks and self.running[-1] is not seq:
-                self._preempt(self.running.pop())
+            if seq.num_scheduled_tokens and not runs_ahead(seq):  # it waits for its step's result
+                i += 1
+                continue
+            n = min(seq.num_unscheduled_tokens, budget)
+            while (
+                self.bm.num_blocks_to_grow(seq, n) > self.bm.num_free_blocks and (victim := self._victim(i)) is not None
+            ):
+                self.running.remove(victim)
+                self._preempt(victim)
                 batch.num_preempted += 1
             if self.bm.num_blocks_to_grow(seq, n) > self.bm.num_free_blocks:
+                if seq.num_scheduled_tokens:  # never preempted in flight: it waits for its step's result
+                    i += 1
+                    continue
                 self._preempt(self.running.pop(i))
                 batch.num_preempted += 1
                 break
@@ -84,6 +99,13 @@ class Scheduler:
         self._decodes_first(batch)
         return batch
 
+    def _victim(self, i: int) -> Sequence | None:
+        """The newest running sequence after ``running[i]`` that is in no step in flight."""
+        for j in range(len(self.running) - 1, i, -1):
+            if not self.running[j].num_scheduled_tokens:
+                return self.running[j]
+        return None
+
     def _preempt(self, seq: Sequence) -> None:
         self.bm.free_seq(seq)
         self.add(seq, front=True)
@@ -91,18 +113,41 @@ class Scheduler:
 
     @staticmethod
     def _decodes_first(batch: ScheduledBatch) -> None:
-        order = sorted(
-            range(len(batch)), key=lambda j: not (batch.num_tokens[j] == 1 and batch.seqs[j].num_computed_tokens > 0)
-        )
+        def is_decode(j: int) -> bool:
+            seq = batch.seqs[j]
+            return batch.num_tokens[j] == 1 and seq.num_computed_tokens + seq.num_scheduled_tokens > 0
+
+        order = sorted(range(len(batch)), key=lambda j: not is_decode(j))
         batch.seqs = [batch.seqs[j] for j in order]
         batch.num_tokens = [batch.num_tokens[j] for j in order]
 
     def finish(self, seq: Sequence) -> None:
-        """Remove a sequence in any state and free its blocks."""
+        """Remove a sequence in any state and free its blocks, unless a step in flight still writes
+        them (async scheduling: the loop frees them when that step's result is back)."""
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
         elif seq.status is Status.WAITING:
             with contextlib.suppress(ValueError):  # a sibling not yet released to the queue
                 self.waiting.remove(seq)
-        self.bm.free_seq(seq)
+        if not seq.num_scheduled_tokens:
+            self.bm.free_seq(seq)
         seq.status = Status.FINISHED
+
+
+def runs_ahead(seq: Sequence) -> bool:
+    """Async scheduling's one eligibility rule: may ``seq``, in the step in flight, be scheduled into
+    the next step before that step's result is back? Only when the next step needs nothing of the
+    token being sampled but its id, which the worker takes from its own record of the sampled ids.
+    Not so with a grammar (the mask needs the matcher advanced by it), a repetition, frequency or
+    presence penalty (the sampler counts the generated tokens), a reasoning budget (the loop may
+    replace the token), unreleased n > 1 siblings (released on the first token), prompt logprobs not
+    yet all computed, nor when the token in flight is its last (``max_tokens``): such a sequence
+    waits for the result and joins the step after it."""
+    return (
+        seq.matcher is None
+        and not has_penalty(seq.params)
+        and seq.reasoning_budget is None
+        and not seq.siblings
+        and not seq.computes_prompt_logprobs
+        and seq.num_output_tokens + seq.num_placeholders < seq.max_tokens
+    )

@@ -57,6 +57,10 @@ class Sequence:
         self.block_hashes = list(request.block_hashes)  # chained hash of every full block
         self.block_table = array("i")  # block ids; an int32 buffer the worker reads without a copy
         self.num_computed_tokens = 0
+        # async scheduling (0 otherwise): tokens in steps sent and not yet postprocessed, and the
+        # tokens those steps sample (placeholders: appended when their step's result is back)
+        self.num_scheduled_tokens = 0
+        self.num_placeholders = 0
         self.num_committed_blocks = 0  # leading blocks already published to the prefix cache
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
         self.status = Status.WAITING
@@ -93,6 +97,12 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def num_unscheduled_tokens(self) -> int:
+        """Tokens no step has taken yet, placeholders included (async scheduling); with no step in
+        flight, ``num_uncomputed_tokens``."""
+        return len(self.token_ids) + self.num_placeholders - self.num_computed_tokens - self.num_scheduled_tokens
 
     @property
     def is_prefilling(self) -> bool:

@@ -9,6 +9,7 @@ move into its own process without the loop changing.
 
 from __future__ import annotations
 
+import queue
 import time
 from array import array
 from dataclasses import dataclass, field
@@ -48,6 +49,9 @@ class StepInput:
     sample_rows: list[int]  # which sequences sample a token this step
     sampling: SamplingInputs
     prompt_rows: list[PromptRows] = field(default_factory=list)
+    # async scheduling: (flattened input row, sample row of the previous step) pairs: that input
+    # token is the one the previous step sampled for that row (its input_ids entry is a placeholder)
+    prev_tokens: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -130,6 +134,7 @@ class Worker:
             self.graphs = DecodeGraphs(model, self.kv_caches, block_size, spare_slot, *decode_graphs)
         self.num_threads = num_threads
         self.sampler = Sampler()
+        self.sampled: torch.Tensor | None = None  # the last step's sampled ids, on the device (None: it failed)
         self.limiter = anyio.CapacityLimiter(1)
 
     @torch.inference_mode()
@@ -143,7 +148,7 @@ class Worker:
         every_row_samples = len(step.sample_rows) == len(step.query_lens) and not step.prompt_rows
         prompt_logprobs: list[list[Logprob]] = []
         if graphs and every_row_samples and graphs.fits(step.block_tables, step.context_lens, step.query_lens):
-            logits = self.graphs.logits(step.input_ids, step.block_tables, step.context_lens)
+            logits = self.graphs.logits(self.host_input_ids(step), step.block_tables, step.context_lens)
         else:
             logits, prompt_logprobs = self.forward(step)
         # a NaN or an infinity anywhere in a row reaches its max: checked on the device, read back
@@ -156,6 +161,7 @@ class Worker:
         if INVALID_TOKEN in out.token_ids:
             raise FloatingPointError("non-finite logits")
         rejected = accept_tokens(matchers, rows, out.token_ids) if rows else []
+        self.sampled = out.ids if out.ids is not None else torch.tensor(out.token_ids, device=self.device)
         t2 = time.perf_counter()
         timings = {"forward": t1 - t0, "sample": t2 - t1}
         return StepOutput(
@@ -167,11 +173,30 @@ class Worker:
         dev = self.device
         meta = AttentionMetadata.build(step.block_tables, step.context_lens, step.query_lens, self.block_size, dev)
         input_ids = stage(torch.tensor(step.input_ids, dtype=torch.long), dev)
+        if step.prev_tokens:  # async scheduling: the previous step's tokens, device to device
+            rows, samples = stage(torch.tensor(step.prev_tokens, dtype=torch.long).T.contiguous(), dev)
+            input_ids[rows] = self.previous_sampled()[samples]
         positions = stage(torch.tensor(step.positions, dtype=torch.long), dev)
         hidden = self.model(input_ids, positions, meta, self.kv_caches)
         last = torch.tensor(step.query_lens).cumsum(0) - 1
         logits = self.model.compute_logits(hidden[stage(last[step.sample_rows], dev)])
         return logits, self.prompt_logprobs(hidden, step.prompt_rows) if step.prompt_rows else []
+
+    def previous_sampled(self) -> torch.Tensor:
+        if self.sampled is None:
+            raise RuntimeError("the step before this one failed: its sampled tokens are not known")
+        return self.sampled
+
+    def host_input_ids(self, step: StepInput) -> list[int]:
+        """The step's input ids with the previous step's tokens filled in on the host (for the CUDA graphs'
+        static buffers; the previous step's ids were read back already, so this waits on nothing)."""
+        if not step.prev_tokens:
+            return step.input_ids
+        ids = list(step.input_ids)
+        tokens = self.previous_sampled()[[j for _, j in step.prev_tokens]].tolist()
+        for (row, _), token in zip(step.prev_tokens, tokens, strict=True):
+            ids[row] = token
+        return ids
 
     def prompt_logprobs(self, hidden: torch.Tensor, rows: list[PromptRows]) -> list[list[Logprob]]:
         """log_softmax of the raw logits at the asked rows: each next token's logprob and rank, and the
@@ -211,6 +236,7 @@ class Worker:
         except WorkerFailed:
             raise
         except Exception as exc:  # a failed step ends its batch, not the engine
+            self.sampled = None  # a step that would read its tokens fails too
             return StepOutput(error=f"{type(exc).__name__}: {exc}")
 
     async def run(
@@ -225,3 +251,41 @@ class Worker:
             async for step in steps:
                 out = await anyio.to_thread.run_sync(self._execute_or_error, step, limiter=self.limiter)
                 await results.send(out)
+
+    async def run_overlapped(
+        self,
+        steps: MemoryObjectReceiveStream[StepInput],
+        results: MemoryObjectSendStream[StepOutput],
+        *,
+        task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """``run`` for async scheduling: one thread runs the steps back to back from a thread-safe
+        queue, so a step sent while the one before it runs starts the moment that one ends, without
+        waiting for the event loop (which is busy postprocessing the result meanwhile)."""
+        queued: queue.SimpleQueue[StepInput | None] = queue.SimpleQueue()
+        done: queue.SimpleQueue[StepOutput | BaseException | None] = queue.SimpleQueue()
+        async with steps, results, anyio.create_task_group() as tg:
+            tg.start_soon(self._send_results, done, results)
+            tg.start_soon(lambda: anyio.to_thread.run_sync(self._execute_queued, queued, done, limiter=self.limiter))
+            task_status.started()
+            try:
+                async for step in steps:
+                    queued.put(step)
+            finally:
+                queued.put(None)  # the thread ends after the step it is running
+
+    def _execute_queued(self, queued: queue.SimpleQueue, done: queue.SimpleQueue) -> None:
+        try:
+            while (step := queued.get()) is not None:
+                done.put(self._execute_or_error(step))
+        except BaseException as exc:  # WorkerFailed: no later step can run
+            done.put(exc)
+        finally:
+            done.put(None)
+
+    @staticmethod
+    async def _send_results(done: queue.SimpleQueue, results: MemoryObjectSendStream[StepOutput]) -> None:
+        while (out := await anyio.to_thread.run_sync(done.get, abandon_on_cancel=True)) is not None:
+            if isinstance(out, BaseException):
+                raise out
+            await results.send(out)
