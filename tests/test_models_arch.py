@@ -20,7 +20,8 @@ from atom_anyio import LLM, SamplingParams
 from atom_anyio.engine.attention import AttentionMetadata, TorchPagedAttention
 from atom_anyio.models.llama import ARCHITECTURES
 from atom_anyio.models.loader import load_model
-from atom_anyio.models.moe import MoeConfig, Router
+from atom_anyio.models.moe import Experts, MoeConfig, Router, SparseMoeBlock
+from atom_anyio.models.ops import TorchOps
 
 VOCAB = 256
 MAX_TOKENS = 10
@@ -218,6 +219,37 @@ def test_a_model_with_tied_router_scores_decodes_like_transformers(tmp_path, tin
     reference = [hf_greedy(hf, p) for p in PROMPTS]
     llm = LLM(str(tmp_path), dtype="float32", enable_prefix_caching=False, max_model_len=128, block_size=4)
     assert [greedy(llm, [p])[0] for p in PROMPTS] == reference
+    assert greedy(llm, PROMPTS) == reference
+
+
+@pytest.mark.parametrize("is_gpt_oss", [False, True], ids=["silu", "gpt-oss"])
+@pytest.mark.parametrize("num_tokens", [3, 37])  # 3 tokens leave experts without rows
+def test_grouped_experts_equal_the_loop_over_experts(is_gpt_oss, num_tokens):
+    """The GPU path (one ``torch._grouped_mm`` per projection, the groups found on the device)
+    against the loop over the active experts, run here on the CPU: the same bits."""
+    torch.manual_seed(0)
+    moe = MoeConfig(num_experts=8, top_k=2, intermediate_size=32, is_gpt_oss=is_gpt_oss)
+    block = SparseMoeBlock(moe, 64, TorchOps)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    x = torch.randn(num_tokens, 64)
+    with torch.inference_mode():
+        block.experts.grouped = False
+        loop = block(x)
+        block.experts.grouped = True
+        grouped = block(x)
+    assert torch.equal(grouped, loop)
+
+
+def test_a_moe_model_on_grouped_experts_decodes_like_transformers(tmp_path, tiny_model_dir, monkeypatch):
+    hf = random_hf_model("qwen3-moe")
+    hf.save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model_dir / name, tmp_path)
+    reference = [hf_greedy(hf, p) for p in PROMPTS]
+    monkeypatch.setattr(Experts, "grouped", True)
+    llm = LLM(str(tmp_path), dtype="float32", max_model_len=128, block_size=4, max_num_batched_tokens=9)
     assert greedy(llm, PROMPTS) == reference
 
 

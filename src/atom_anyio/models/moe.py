@@ -3,9 +3,10 @@ router and the experts' weights stacked per layer (``gate_up_proj [E, 2I,
 H]``, gate rows then up rows, and ``down_proj [E, H, I]``).
 
 The experts run grouped: the step's (token, choice) pairs are sorted by
-expert, each active expert runs one GEMM pair over its rows, and the weighted
-rows are summed back into their tokens with one ``index_add_``. The loop is
-over experts, never over tokens."""
+expert, each active expert runs one GEMM pair over its rows (on a GPU one
+``torch._grouped_mm`` per projection for all experts, with nothing read back
+to the host), and the weighted rows are summed back into their tokens with
+one ``index_add_``. Never a loop over tokens."""
 
 from __future__ import annotations
 
@@ -69,29 +70,52 @@ class Experts(nn.Module):
         self.down_proj_bias = nn.Parameter(torch.empty(e, hidden_size)) if moe.is_gpt_oss else None
         self.moe, self.ops = moe, ops
 
+    # one grouped GEMM per projection (torch._grouped_mm) instead of a loop over the active experts:
+    # no host read of the experts' counts. None: on GPUs (where that read is a sync per layer)
+    grouped: bool | None = None
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         flat = experts.reshape(-1)
         order = flat.argsort(stable=True)  # (token, choice) pairs grouped by expert, tokens in order
         token = order // experts.shape[1]
-        counts = torch.bincount(flat, minlength=self.moe.num_experts).tolist()
         rows = x.index_select(0, token)
-        out = torch.empty_like(rows)
-        start = 0
-        for expert, n in enumerate(counts):
-            if n:
-                out[start : start + n] = self.expert(expert, rows[start : start + n])
-                start += n
+        grouped = self.grouped if self.grouped is not None else x.device.type == "cuda"
+        if grouped and hasattr(torch, "_grouped_mm"):
+            out = self.grouped_experts(rows, flat[order])
+        else:
+            out = torch.empty_like(rows)
+            start = 0
+            for expert, n in enumerate(torch.bincount(flat, minlength=self.moe.num_experts).tolist()):
+                if n:
+                    out[start : start + n] = self.expert(expert, rows[start : start + n])
+                    start += n
         out *= weights.reshape(-1)[order, None]
         return torch.zeros_like(x).index_add_(0, token, out)
+
+    def grouped_experts(self, rows: torch.Tensor, expert_of_row: torch.Tensor) -> torch.Tensor:
+        """Every expert's rows (sorted by expert) through its projections, one grouped GEMM each; the
+        group ends are found on the device (``searchsorted``), so nothing is read back."""
+        bounds = torch.arange(1, self.moe.num_experts + 1, device=rows.device, dtype=expert_of_row.dtype)
+        offs = torch.searchsorted(expert_of_row, bounds).to(torch.int32)
+        h = torch._grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offs=offs)
+        if not self.moe.is_gpt_oss:
+            return torch._grouped_mm(self.ops.silu_and_mul(h), self.down_proj.transpose(1, 2), offs=offs)
+        gate, up = (h + self.gate_up_proj_bias[expert_of_row]).chunk(2, dim=-1)
+        h = _gpt_oss_swiglu(gate, up, self.moe)
+        return torch._grouped_mm(h, self.down_proj.transpose(1, 2), offs=offs) + self.down_proj_bias[expert_of_row]
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         if not self.moe.is_gpt_oss:
             return F.linear(self.ops.silu_and_mul(F.linear(x, self.gate_up_proj[e])), self.down_proj[e])
         gate, up = F.linear(x, self.gate_up_proj[e], self.gate_up_proj_bias[e]).chunk(2, dim=-1)
-        limit = self.moe.swiglu_limit
-        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
-        h = (up + 1) * gate * torch.sigmoid(gate * self.moe.swiglu_alpha)
-        return F.linear(h, self.down_proj[e], self.down_proj_bias[e])
+        return F.linear(_gpt_oss_swiglu(gate, up, self.moe), self.down_proj[e], self.down_proj_bias[e])
+
+
+def _gpt_oss_swiglu(gate: torch.Tensor, up: torch.Tensor, moe: MoeConfig) -> torch.Tensor:
+    """GPT-OSS's clamped SwiGLU: ``(up + 1) * gate * sigmoid(alpha * gate)``."""
+    limit = moe.swiglu_limit
+    gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return (up + 1) * gate * torch.sigmoid(gate * moe.swiglu_alpha)
 
 
 class SparseMoeBlock(nn.Module):
