@@ -31,6 +31,26 @@ READY_TIMEOUT_S = 60.0
 EXIT_TIMEOUT_S = 30.0
 
 
+# words of the random prompts the engine tests mix (lengths and content vary with the seed)
+WORDS = [
+    "the",
+    "a",
+    "river",
+    "stone",
+    "cloud",
+    "seven",
+    "blue",
+    "quickly",
+    "runs",
+    "over",
+    "under",
+    "bright",
+    "engine",
+    "token",
+    "paged",
+]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

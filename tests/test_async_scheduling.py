@@ -14,7 +14,7 @@ import anyio
 import pytest
 import torch
 import transformers
-from support import ScriptedSampler, serving_app
+from support import WORDS, ScriptedSampler, serving_app
 
 from atom_anyio import LLM
 from atom_anyio.cli import build_parser
@@ -32,23 +32,6 @@ from atom_anyio.settings import ConfigError
 pytestmark = pytest.mark.anyio
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-WORDS = [
-    "the",
-    "a",
-    "river",
-    "stone",
-    "cloud",
-    "seven",
-    "blue",
-    "quickly",
-    "runs",
-    "over",
-    "under",
-    "bright",
-    "engine",
-    "token",
-    "paged",
-]
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ import weakref
 import anyio
 import pytest
 import torch
+from support import WORDS
 
 from atom_anyio import LLM, SamplingParams
 from atom_anyio.engine.block_hash import block_hash_chain
@@ -26,26 +27,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 def mixed_prompts(tokenizer, count: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
-    words = [
-        "the",
-        "a",
-        "river",
-        "stone",
-        "cloud",
-        "seven",
-        "blue",
-        "quickly",
-        "runs",
-        "over",
-        "under",
-        "bright",
-        "engine",
-        "token",
-        "paged",
-    ]
     out = []
     for _ in range(count):
-        text = " ".join(rng.choice(words) for _ in range(rng.randint(3, 90)))
+        text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 90)))
         out.append(tokenizer(text)["input_ids"])
     return out
 

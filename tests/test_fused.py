@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import gguf
 import pytest
-import test_models
 import torch
-import transformers
-from test_models import SIZES, byte_level_tokenizer_metadata, write_gguf
-from test_quant import quantize_k
+from test_quant import tiny_wide_ggufs
 
 from atom_anyio import LLM, SamplingParams
 from atom_anyio.engine import kernels
@@ -126,23 +123,8 @@ def test_fused_step_equals_the_op_by_op_path_in_float32(variant, step):
 
 @pytest.fixture(scope="module")
 def tiny_ggufs(tmp_path_factory):
-    """One seeded tiny Llama as GGUFs of each type with a kernel (256 wide: K-quant rows are multiples of 256)."""
-    torch.manual_seed(0)
-    sizes = {**SIZES, "vocab_size": 262, "num_key_value_heads": 2, "hidden_size": 256, "intermediate_size": 512}
-    config = transformers.LlamaConfig(**sizes)
-    config.initializer_range = 0.2
-    hf = transformers.LlamaForCausalLM(config).eval()
-    root = tmp_path_factory.mktemp("fused")
-    paths = {}
-    with pytest.MonkeyPatch.context() as mp:  # gguf's quantize has no K-quants
-        quantize = test_models.quantize
-        mp.setattr(
-            test_models, "quantize", lambda w, kind: quantize_k(w, kind) if kind in (Q.Q4_K,) else quantize(w, kind)
-        )
-        for qtype in (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K):
-            paths[qtype] = root / f"tiny.{qtype.name}.gguf"
-            write_gguf(paths[qtype], "llama", hf, qtype.name, metadata=[byte_level_tokenizer_metadata])
-    return paths
+    """One seeded tiny Llama as GGUFs of each type with a kernel."""
+    return tiny_wide_ggufs(tmp_path_factory.mktemp("fused"), [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K])
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K], ids=lambda t: t.name)

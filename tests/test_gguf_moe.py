@@ -15,7 +15,7 @@ import pytest
 import torch
 import transformers
 from gguf.quants import dequantize, quantize
-from test_models import byte_level_tokenizer_metadata, gguf_name, llama_cpp_permute
+from test_models import byte_level_tokenizer_metadata, gguf_name, llama_cpp_permute, write_shape_metadata
 from test_models_arch import greedy, hf_greedy, prompt_tokens
 
 from atom_anyio import LLM
@@ -129,17 +129,7 @@ def write_moe_gguf(
 
 
 def write_metadata(writer: gguf.GGUFWriter, family: str, cfg: transformers.PretrainedConfig) -> None:
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    write_shape_metadata(writer, cfg)
     writer.add_expert_count(cfg.num_experts if family == "qwen3moe" else cfg.num_local_experts)
     writer.add_expert_used_count(cfg.num_experts_per_tok)
     if family == "qwen3moe":

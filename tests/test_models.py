@@ -234,11 +234,8 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(path, arch: str, hf: transformers.PreTrainedModel, qtype: str, metadata=None) -> dict[str, torch.Tensor]:
-    """Write ``hf`` as a GGUF with 2-D weights in ``qtype``; returns the weights
-    a correct reader gets back (HF names and row order, quantization applied)."""
-    cfg, kind = hf.config, gguf.GGMLQuantizationType[qtype]
-    writer = gguf.GGUFWriter(str(path), arch)
+def write_shape_metadata(writer: gguf.GGUFWriter, cfg: transformers.PretrainedConfig) -> None:
+    """The shape, RoPE base and norm epsilon of ``cfg`` as llama.cpp's converter writes them."""
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
@@ -250,6 +247,14 @@ def write_gguf(path, arch: str, hf: transformers.PreTrainedModel, qtype: str, me
     writer.add_value_length(head_dim)
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+
+
+def write_gguf(path, arch: str, hf: transformers.PreTrainedModel, qtype: str, metadata=None) -> dict[str, torch.Tensor]:
+    """Write ``hf`` as a GGUF with 2-D weights in ``qtype``; returns the weights
+    a correct reader gets back (HF names and row order, quantization applied)."""
+    cfg, kind = hf.config, gguf.GGMLQuantizationType[qtype]
+    writer = gguf.GGUFWriter(str(path), arch)
+    write_shape_metadata(writer, cfg)
     for write in metadata or []:
         write(writer)
     expected = {}

@@ -225,22 +225,28 @@ def tiny_chat_gguf(tmp_path_factory):
     return paths
 
 
-@pytest.fixture(scope="module")
-def tiny_k_quant_gguf(tmp_path_factory):
-    """A seeded tiny Llama 256 wide (K-quant rows are multiples of 256), one GGUF per K-quant."""
+def tiny_wide_ggufs(root, qtypes) -> dict:
+    """A seeded tiny Llama 256 wide (K-quant rows are multiples of 256), one GGUF per type."""
     torch.manual_seed(0)
     sizes = {**SIZES, "vocab_size": 262, "num_key_value_heads": 2, "hidden_size": 256, "intermediate_size": 512}
     config = transformers.LlamaConfig(**sizes)
     config.initializer_range = 0.2
     hf = transformers.LlamaForCausalLM(config).eval()
-    root = tmp_path_factory.mktemp("kquant")
     paths = {}
     with pytest.MonkeyPatch.context() as mp:  # write_gguf quantizes with gguf's quantize, which has no K-quants
-        mp.setattr(test_models, "quantize", lambda w, kind: quantize_k(w, kind) if kind in K_QUANTS else None)
-        for qtype in K_QUANTS:
+        quantize = test_models.quantize
+        mp.setattr(
+            test_models, "quantize", lambda w, kind: quantize_k(w, kind) if kind in K_QUANTS else quantize(w, kind)
+        )
+        for qtype in qtypes:
             paths[qtype] = root / f"tiny.{qtype.name}.gguf"
             write_gguf(paths[qtype], "llama", hf, qtype.name, metadata=[byte_level_tokenizer_metadata])
     return paths
+
+
+@pytest.fixture(scope="module")
+def tiny_k_quant_gguf(tmp_path_factory):
+    return tiny_wide_ggufs(tmp_path_factory.mktemp("kquant"), K_QUANTS)
 
 
 PROMPTS = [[258, 72, 101, 108], [259, 97, 98, 99, 100, 101, 102, 103, 104, 105, 106], [260, 7]]
