@@ -226,13 +226,16 @@ def time_decode_mode(loaded: LoadedModel, sizes: Sizes, args, device: torch.devi
     return rows
 
 
-def throughput_ours(loaded: LoadedModel, prompts, sizes: Sizes, args, device: torch.device) -> dict:
+def throughput_ours(
+    loaded: LoadedModel, prompts, sizes: Sizes, args, device: torch.device, async_scheduling: bool = False
+) -> dict:
     llm = LLM(
         loaded,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=sizes.prompt_len + sizes.output_len,
         cuda_graphs=args.cuda_graphs,
+        async_scheduling=async_scheduling,
         **engine_memory(args, device),
     )
     llm.generate([{"prompt_token_ids": prompts[0][:32]}], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
@@ -291,6 +294,8 @@ def check_speed(args, sizes: Sizes, device: torch.device) -> dict:
     vocab = sizes.speed["vocab_size"]
     prompts = [torch.randint(3, vocab, (sizes.prompt_len,), generator=g).tolist() for _ in range(sizes.num_prompts)]
     rows = {"atom_anyio": throughput_ours(loaded, prompts, sizes, args, device)}
+    # the same with the next step scheduled while this one runs (docs/engine.md, "Async scheduling")
+    rows["atom async"] = throughput_ours(loaded, prompts, sizes, args, device, async_scheduling=True)
     del loaded
     free(device)
     if not args.skip_transformers:
