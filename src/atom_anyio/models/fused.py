@@ -18,7 +18,7 @@ from torch import nn
 
 from atom_anyio.engine import kernels
 from atom_anyio.models.ops import CpuOps
-from atom_anyio.models.quant import BLOCKS, QuantizedWeight
+from atom_anyio.models.quant import BLOCKS, QuantizedWeight, slice_rows
 
 FLOAT = -1  # decoder.cpp's type of a float32 weight
 
@@ -62,7 +62,7 @@ def build(model: nn.Module) -> tuple[torch.ScriptObject | None, str | None]:
             weight, qtype = _weight(linear.weight)
             if weight is None:
                 return None, f"layer {i}: a {qtype} weight"
-            decoder.set_linear(slot, weight, qtype, linear.bias)
+            decoder.set_linear(slot, weight, qtype, linear.bias, slice_rows(linear.weight.shape[1]))
     weight, qtype = _weight(model.model.embed_tokens.weight)
     if weight is None:
         return None, f"a {qtype} embedding"

@@ -36,14 +36,14 @@ namespace {
 
 constexpr int64_t FLOAT = -1;  // a linear's type when its weight is float32
 
-constexpr int64_t MAX_GEMV_ROWS = 4;      // up to here the GEMV kernels; a GEMM beyond (models/ops.py, quant.py)
-constexpr int64_t SLICE_FLOATS = 1 << 17;  // quant.py's dequantized slice of weights per GEMM
+constexpr int64_t MAX_GEMV_ROWS = 4;  // up to here the GEMV kernels; a GEMM beyond (models/ops.py, quant.py)
 
 struct Linear {
   at::Tensor weight;  // float32 [N, K], or uint8 rows of blocks
   int64_t qtype = FLOAT;
   at::Tensor bias;  // undefined: none
   int64_t N = 0, K = 0;
+  int64_t slice_rows = 0;  // quantized, past MAX_GEMV_ROWS: rows dequantized per GEMM (quant.slice_rows)
 
   // x [M, K] contiguous -> x W^T (+ b) [M, N], as CpuOps.linear computes it for M rows
   at::Tensor run(const at::Tensor& x) const {
@@ -59,7 +59,7 @@ struct Linear {
     }
     if (qtype == FLOAT) return at::linear(x, weight, bias.defined() ? c10::optional<at::Tensor>(bias) : c10::nullopt);
     // quant.cpu_linear: slices of dequantized rows, each through one GEMM while it is in cache
-    const int64_t rows = std::max<int64_t>(64, SLICE_FLOATS / K / 64 * 64), row_bytes = weight.size(1);
+    const int64_t rows = slice_rows, row_bytes = weight.size(1);
     at::Tensor buffer = at::empty({std::min(rows, N), K}, x.options());
     at::Tensor out = at::empty({N, M}, x.options());
     const at::Tensor xt = x.t();
@@ -107,8 +107,9 @@ class Decoder : public torch::CustomClassHolder {
     layers_.push_back(layer);
   }
 
-  // slot 0 qkv, 1 o, 2 gate_up, 3 down of the last layer added
-  void set_linear(int64_t slot, const at::Tensor& weight, int64_t qtype, const c10::optional<at::Tensor>& bias) {
+  // slot 0 qkv, 1 o, 2 gate_up, 3 down of the last layer added; slice_rows: see Linear
+  void set_linear(int64_t slot, const at::Tensor& weight, int64_t qtype, const c10::optional<at::Tensor>& bias,
+                  int64_t slice_rows) {
     TORCH_CHECK(!layers_.empty() && slot >= 0 && slot < 4, "Decoder: set_linear before add_layer, or a bad slot");
     Layer& layer = layers_.back();
     const int64_t qkv_width = (H_ + 2 * KVH_) * D_;
@@ -122,7 +123,8 @@ class Decoder : public torch::CustomClassHolder {
                                      : weight.scalar_type() == at::kByte &&
                                            weight.size(1) == atom::quant_row_bytes(qtype, lin.K);
     TORCH_CHECK(fits, "Decoder: linear ", slot, " of type ", qtype, " does not match K = ", lin.K);
-    lin.weight = weight, lin.qtype = qtype;
+    TORCH_CHECK(qtype == FLOAT || slice_rows > 0, "Decoder: a quantized linear needs slice_rows > 0");
+    lin.weight = weight, lin.qtype = qtype, lin.slice_rows = slice_rows;
     if (bias.has_value()) check_float(*bias, lin.N, "bias"), lin.bias = *bias;
   }
 
@@ -220,8 +222,8 @@ class Decoder : public torch::CustomClassHolder {
       if (embedding_qtype_ == FLOAT)
         std::memcpy(out + t * hidden_, embedding_.data_ptr<float>() + ids[t] * hidden_, hidden_ * sizeof(float));
       else
-        atom::dequantize_row_f32(out + t * hidden_, embedding_.data_ptr<uint8_t>() + ids[t] * embedding_.size(1),
-                                 hidden_, embedding_qtype_);
+        atom::dequantize_f32(out + t * hidden_, embedding_.data_ptr<uint8_t>() + ids[t] * embedding_.size(1), 1,
+                             hidden_, embedding_qtype_);
     }
   }
 

@@ -18,11 +18,10 @@ void rotary_f32(float* q, int64_t q_stride, int64_t q_heads, float* k, int64_t k
 // out [M, N] = x [M, K] W^T (+ bias), M in 1..4, W float32 [N, K]
 void gemv_f32(float* out, const float* x, int64_t M, int64_t K, const float* w, int64_t N, const float* bias);
 
-// quant.cpp: the same with W as GGUF blocks of ggml type `type`; W dequantized (one row, or rows)
+// quant.cpp: the same with W as GGUF blocks of ggml type `type`; rows of W dequantized
 int64_t quant_row_bytes(int64_t type, int64_t K);
 void qgemv_f32(float* out, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int64_t type,
                const float* bias);
-void dequantize_row_f32(float* out, const uint8_t* row, int64_t K, int64_t type);
 void dequantize_f32(float* out, const uint8_t* w, int64_t rows, int64_t K, int64_t type);  // rows of W, as the op
 
 }  // namespace atom

@@ -454,10 +454,6 @@ void qgemv_f32(float* out, const float* x, int64_t M, int64_t K, const uint8_t* 
   }
 }
 
-void dequantize_row_f32(float* out, const uint8_t* row, int64_t K, int64_t type) {
-  dequantize_range(row, out, K, type, 0, 1);
-}
-
 void dequantize_f32(float* out, const uint8_t* w, int64_t rows, int64_t K, int64_t type) {
   at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) { dequantize_range(w, out, K, type, b, e); });
 }
