@@ -37,6 +37,7 @@ from pathlib import Path
 import anyio
 import httpx
 import psutil
+from machine import machine
 from prometheus_client.parser import text_string_to_metric_families
 
 WORDS = [
@@ -622,7 +623,8 @@ def main() -> None:
     print_history(results)
     summary = {label: first_last(rows) for label, rows in windows.items()}
     history = {label: r["history"] for label, r in results.items()}
-    line = {"bench": "agentic", "args": vars(args), "summary": summary, "history": history, "windows": windows}
+    line = {"bench": "agentic", "args": vars(args), "machine": machine(), "summary": summary, "history": history}
+    line["windows"] = windows
     print(json.dumps(rounded(line)))
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 from agentic import write_tiny_model
+from machine import machine
 from offline_throughput import make_prompts
 
 from atom_anyio import LLM, SamplingParams
@@ -130,6 +131,8 @@ def main() -> None:
         f"\n{args.num_prompts} prompts x {args.prompt_len} tokens, {args.output_len} output tokens, "
         f"torch threads {args.num_threads or torch.get_num_threads()}, median of {args.repeats}"
     )
+    m = machine()
+    print(f"CPU: {m['cpu']} ({' '.join(m['isa'])}), {m['cores']} cores")
     cols = ("out_tok_s", "steps", "step_ms", "loop_ms", "forward_ms", "idle_ms")
     print(f"{'model':<9}{'async':>7}" + "".join(f"{c:>12}" for c in cols) + f"{'on/off':>9}{'bound':>8}{'same':>6}")
     for name, r in rows.items():
@@ -146,6 +149,7 @@ def main() -> None:
         "prompt_len": args.prompt_len,
         "output_len": args.output_len,
         "num_threads": args.num_threads or torch.get_num_threads(),
+        "machine": m,
         **{
             f"{name}_{setting}_{key}": round(r[setting][key], 3)
             for name, r in rows.items()

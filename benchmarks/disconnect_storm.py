@@ -28,6 +28,7 @@ from pathlib import Path
 import anyio
 import httpx
 from agentic import atom_command, free_port, launched, rss_bytes, write_tiny_model
+from machine import machine
 from prometheus_client.parser import text_string_to_metric_families
 
 GAUGES = (
@@ -155,7 +156,9 @@ def main() -> None:
     ]  # fmt: skip
     for name, value in rows:
         print(f"{name:32} {value}")
-    print(json.dumps({"benchmark": "disconnect_storm", **{k: _round(v) for k, v in result.items()}}))
+    print(
+        json.dumps({"benchmark": "disconnect_storm", "machine": machine(), **{k: _round(v) for k, v in result.items()}})
+    )
 
 
 def _round(v):

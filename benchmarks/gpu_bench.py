@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 import transformers
+from machine import machine
 
 from atom_anyio import LLM, SamplingParams
 from atom_anyio.engine.attention import BACKENDS, load_backend
@@ -327,6 +328,7 @@ def main() -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"device {device} ({name}), torch {torch.__version__}, transformers {transformers.__version__}", flush=True)
     result: dict = {"bench": "gpu_bench", "device": name, "tiny": args.tiny, "bandwidth_tbs": args.bandwidth_tbs}
+    result["machine"] = machine()  # the host CPU
     if not args.skip_exactness:
         print("\n1. exactness, float32 greedy against transformers", flush=True)
         result["exactness"] = section(check_exactness, args, sizes, device)

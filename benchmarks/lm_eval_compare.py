@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from agentic import free_port, launched
+from machine import machine
 
 CAPITALS = {
     "France": "Paris", "Italy": "Rome", "Spain": "Madrid", "Germany": "Berlin", "Japan": "Tokyo",
@@ -205,6 +206,7 @@ def main() -> None:
             export(default_model_path(), args.model)
         (Path(tmp) / "tasks").mkdir()
         out = run(args, Path(tmp) / "tasks")
+    out["machine"] = machine()
     print_table(out)
     print(json.dumps(out))
 

@@ -19,6 +19,7 @@ import tempfile
 import time
 
 import torch
+from machine import machine
 from words import WORDS
 
 from atom_anyio import LLM, SamplingParams
@@ -152,6 +153,8 @@ def main() -> None:
         f"\n{args.num_prompts} prompts x {args.prompt_len} tokens, {args.output_len} output tokens, {args.dtype}, "
         f"torch threads {torch.get_num_threads()}"
     )
+    m = machine()
+    print(f"CPU: {m['cpu']} ({' '.join(m['isa'])}), {m['cores']} cores")
     print(f"{'system':<14}{'elapsed s':>12}{'out tok':>10}{'out tok/s':>12}{'atom ratio':>12}")
     atom = rows["atom_anyio"]["output_tok_s"]
     for name, r in rows.items():
@@ -169,6 +172,7 @@ def main() -> None:
         "prompt_len": args.prompt_len,
         "output_len": args.output_len,
         "dtype": args.dtype,
+        "machine": m,
         **{f"{k}_out_tok_s": round(r["output_tok_s"], 2) for k, r in rows.items()},
         **{f"ratio_vs_{k}": round(atom / r["output_tok_s"], 3) for k, r in rows.items() if k != "atom_anyio"},
         "atom_timings_s": {k: round(v, 3) for k, v in t.items()},

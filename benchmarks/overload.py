@@ -25,6 +25,7 @@ from pathlib import Path
 import anyio
 import httpx
 from agentic import WORDS, atom_command, free_port, launched, percentile, write_tiny_model
+from machine import machine
 
 NUM_PROMPTS = 16
 MAX_TOKENS = 24
@@ -143,7 +144,13 @@ def main() -> None:
     for name, value in rows:
         print(f"{name:38} {value}")
     print(
-        json.dumps({"benchmark": "overload", **{k: round(v, 1) if isinstance(v, float) else v for k, v in r.items()}})
+        json.dumps(
+            {
+                "benchmark": "overload",
+                "machine": machine(),
+                **{k: round(v, 1) if isinstance(v, float) else v for k, v in r.items()},
+            }
+        )
     )
 
 

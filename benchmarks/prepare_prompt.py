@@ -20,6 +20,7 @@ import random
 import statistics
 import time
 
+from machine import machine
 from transformers import AutoTokenizer
 
 from atom_anyio.prompt.prepare import PrepareContext, PromptRequest, prepare_prompt
@@ -215,6 +216,7 @@ def main() -> None:
     result = {
         "benchmark": "prepare_prompt",
         "tokenizer": "SmolLM2-135M-Instruct",
+        "machine": machine(),
         "turns": num_turns,
         "messages": rows[-1][0],
         "prompt_tokens": rows[-1][1],

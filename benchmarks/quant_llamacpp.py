@@ -26,6 +26,7 @@ import gguf
 import httpx
 import psutil
 from agentic import atom_command, free_port, launched
+from machine import machine
 from serve import _fmt, _ratio, make_prompts, one_request, summarize
 
 from atom_anyio import LLM, SamplingParams
@@ -202,6 +203,7 @@ def main() -> None:
     result = {
         "bench": "quant_llamacpp",
         "model": os.path.basename(args.model),
+        "machine": machine(),
         "agreement": {k: v for k, v in agreement.items() if k != "sample"},
         "targets": {label: {k: _round(v) for k, v in r.items()} for label, r in rows.items()},
         "itl_p50_ratio_quantized_vs_llamacpp": _round(

@@ -32,6 +32,7 @@ from pathlib import Path
 import anyio
 import httpx
 from agentic import Target, Turn, agent, free_port, launched, percentile, write_tiny_model
+from machine import machine
 from prometheus_client.parser import text_string_to_metric_families
 
 POLICIES = ("round_robin", "cache_aware", "kv_aware")
@@ -190,7 +191,7 @@ def main() -> None:
         f"{args.kv_cache_gib} GiB KV per replica"
     )
     print_table(results)
-    print(json.dumps({"bench": "router", "args": vars(args), "results": results}))
+    print(json.dumps({"bench": "router", "args": vars(args), "machine": machine(), "results": results}))
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import anyio
 import httpx
 from agentic import atom_command, free_port, launched
+from machine import machine
 from words import WORDS
 
 
@@ -328,6 +329,7 @@ def main() -> None:
         "concurrency": args.concurrency,
         "prompt_len": args.prompt_len,
         "max_tokens": args.max_tokens,
+        "machine": machine(),
         "targets": {label: {k: _round(v) for k, v in r.items()} for label, r in rows.items()},
         "output_tok_s_ratio": {
             f"{label}_vs_{first}": _round(_ratio(r["output_tok_s"], rows[first]["output_tok_s"]))

@@ -30,6 +30,7 @@ from agentic import (
     scrape,
     text,
 )
+from machine import machine
 
 COLUMNS = [
     ("win", "window", "{:d}"),
@@ -175,7 +176,8 @@ def main() -> None:
             f"{_f(s['gc2_share_pct_max'], '{:.4f}')}% (worst window), /metrics p50 last/first "
             f"{_f(s['metrics_p50_last_over_first'], '{:.2f}')}"
         )
-    print(json.dumps(rounded({"bench": "soak", "args": vars(args), "summary": summary, "windows": results})))
+    line = {"bench": "soak", "args": vars(args), "machine": machine(), "summary": summary, "windows": results}
+    print(json.dumps(rounded(line)))
 
 
 def _f(value, spec: str) -> str:

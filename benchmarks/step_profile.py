@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 from agentic import write_tiny_model
+from machine import machine
 from torch.profiler import ProfilerActivity, profile
 
 from atom_anyio.engine.attention import AttentionMetadata
@@ -124,6 +125,8 @@ def main() -> None:
                 }
             )
     print(f"\ndecode step, {args.batch} sequences, {args.threads} threads; memory read bandwidth {bandwidth:.1f} GB/s")
+    m = machine()
+    print(f"CPU: {m['cpu']} ({' '.join(m['isa'])}), {m['cores']} cores")
     cols = ["context", "backend", "step_ms", "attention_ms", "gemm_ms", "rest_ms", "kv_mb_per_step", "attention_gb_s"]
     print("".join(f"{c:>16}" for c in cols))
     for r in rows:
@@ -146,6 +149,7 @@ def main() -> None:
     }
     print(f"fused decoder speed-up over op by op, by context: {result_fused}")
     result = {"bench": "step_profile", "batch": args.batch, "threads": args.threads, "read_bandwidth_gb_s": bandwidth}
+    result["machine"] = m
     result["fused_speedup_vs_op_by_op"] = result_fused
     result |= {"rows": [{k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()} for r in rows]}
     print(json.dumps(result | {"cpu_speedup_vs_torch": speedups}))

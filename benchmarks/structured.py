@@ -21,6 +21,7 @@ from pathlib import Path
 import anyio
 import torch
 from agentic import write_tiny_model
+from machine import machine
 from words import WORDS
 
 from atom_anyio.engine.config import EngineConfig
@@ -165,6 +166,8 @@ def main() -> None:
     mask_ms = constrained["sample_ms_per_step"] - free["sample_ms_per_step"]  # fill + apply + advance
     mask_ratio = (free["wall_ms_per_step"] + mask_ms) / free["wall_ms_per_step"]
     print(f"model={args.model} batch={args.batch} output_len={args.output_len} torch_threads={torch.get_num_threads()}")
+    m = machine()
+    print(f"CPU: {m['cpu']} ({' '.join(m['isa'])}), {m['cores']} cores")
     print(f"{'decode':<14}{'tokens':>8}{'steps':>7}{'ms/step':>10}{'forward':>10}{'sample':>10}{'host':>10}")
     for name, r in (("unconstrained", free), ("json schema", constrained)):
         print(
@@ -181,7 +184,7 @@ def main() -> None:
         f"cold {compiled['cold_ms']:.1f} ms, cached {compiled['cached_ms']:.2f} ms, "
         f"matcher {compiled['matcher_ms']:.3f} ms (compiler setup {compiled['compiler_setup_ms']:.0f} ms)"
     )
-    out = {"model": args.model, "batch": args.batch, "unconstrained": free, "constrained": constrained}
+    out = {"model": args.model, "batch": args.batch, "machine": m, "unconstrained": free, "constrained": constrained}
     print(
         json.dumps({**out, "ratio": ratio, "mask_ms_per_step": mask_ms, "mask_ratio": mask_ratio, "compile": compiled})
     )

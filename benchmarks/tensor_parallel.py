@@ -18,6 +18,8 @@ import argparse
 import json
 import time
 
+from machine import machine
+
 from atom_anyio.llm import LLM
 from atom_anyio.sampling_params import SamplingParams
 
@@ -61,6 +63,7 @@ def main() -> None:
     summary = {k: v for k, v in vars(args).items()}
     summary |= {"tok_s_1": one["out_tok_s"], f"tok_s_{args.size}": many["out_tok_s"], "ratio": ratio}
     summary |= {"step_ms_1": one["step_ms"], f"step_ms_{args.size}": many["step_ms"], "same_tokens": same}
+    summary["machine"] = machine()
     print(json.dumps(summary))
 
 

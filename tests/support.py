@@ -250,3 +250,29 @@ def write_tiny_llama(path, tokenizer_gguf: str, seed: int = 0, **config: object)
     )
     load_gguf_tokenizer(tokenizer_gguf).save_pretrained(path)
     return path
+
+
+# what `auto` picks on some CPU, each forced: (dtype, gguf_weights). The suite runs every one on
+# whatever CPU it is on (bfloat16 is slow on an AVX2-only CPU, not wrong).
+CPU_COMBINATIONS = {
+    "float32+packed": ("float32", "packed"),  # auto on AVX2 CPUs; the fused decoder runs it
+    "bfloat16+both": ("bfloat16", "both"),  # auto on AVX512-BF16 / AMX CPUs: blocks and a dense copy
+    "bfloat16+packed": ("bfloat16", "packed"),  # auto there when the dense copy does not fit
+    "float32+dequantize": ("float32", "dequantize"),
+    "bfloat16+dequantize": ("bfloat16", "dequantize"),
+}
+
+
+def assert_greedy_close(outputs: list[list[Any]], reference: list[list[Any]]) -> None:
+    """Greedy token lists compared the standard way for low precision: equal, or where they first
+    diverge, each side's token is among the other's top logprobs there (then the rest is not
+    compared). Each item is a ``CompletionOutput`` sampled with ``logprobs`` > 0."""
+    for i, (out, ref) in enumerate(zip(outputs, reference, strict=True)):
+        for j, (a, b) in enumerate(zip(out.logprobs, ref.logprobs, strict=False)):
+            if a.token_id == b.token_id:
+                continue
+            assert a.token_id in dict(b.top), f"sequence {i} token {j}: {a.token_id} not in the reference's top {b.top}"
+            assert b.token_id in dict(a.top), f"sequence {i} token {j}: {b.token_id} not in this run's top {a.top}"
+            break
+        else:
+            assert len(out.token_ids) == len(ref.token_ids), f"sequence {i}: lengths differ"

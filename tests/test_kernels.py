@@ -64,13 +64,23 @@ def paged_step(
     return q, k, v, k_cache, v_cache, meta
 
 
+def cpu_both_ways(q, k, v, k_cache, v_cache, meta, **kwargs) -> torch.Tensor:
+    """The cpu backend's output with prefill chunks through SDPA (``cpu``) and through the
+    kernel (``cpu_paged``), stacked: each is checked against the reference."""
+    outs = [
+        CpuPagedAttention(paged_prefill).forward(q, k, v, k_cache, v_cache, meta, **kwargs)
+        for paged_prefill in (False, True)
+    ]
+    return torch.stack(outs)
+
+
 def both(step) -> tuple[torch.Tensor, torch.Tensor]:
     q, k, v, k_cache, v_cache, meta = step
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
     ref = TorchPagedAttention().forward(q, k, v, ref_k, ref_v, meta)
-    out = CpuPagedAttention().forward(q, k, v, k_cache, v_cache, meta)
+    out = cpu_both_ways(q, k, v, k_cache, v_cache, meta)
     assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)  # the step's K/V written alike
-    return out, ref
+    return out, ref.expand_as(out)
 
 
 LAYOUTS = {
@@ -122,7 +132,8 @@ def test_long_prefill_chunk_over_a_long_prefix_equals_the_portable_path():
 def both_with(step, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     q, k, v, k_cache, v_cache, meta = step
     ref = TorchPagedAttention().forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, **kwargs)
-    return CpuPagedAttention().forward(q, k, v, k_cache, v_cache, meta, **kwargs), ref
+    out = cpu_both_ways(q, k, v, k_cache, v_cache, meta, **kwargs)
+    return out, ref.expand_as(out)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -162,9 +173,27 @@ def test_long_windowed_decodes_split_over_the_keys_equal_the_portable_path(windo
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cpu_attention_in_16_bit_matches_a_float32_reference(dtype):
     q, k, v, k_cache, v_cache, meta = paged_step([1, 1, 12], [50, 70, 30], 8, 2, 64, 16, dtype=dtype)
-    out = CpuPagedAttention().forward(q, k, v, k_cache, v_cache, meta)
+    out = cpu_both_ways(q, k, v, k_cache, v_cache, meta)
     ref = TorchPagedAttention().forward(q.float(), k.float(), v.float(), k_cache.float(), v_cache.float(), meta)
-    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float(), ref.expand_as(out), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("width", [96, 204])  # 204: a tail past the last eight
+def test_fused_ops_in_16_bit_round_as_the_torch_ops(dtype, width):
+    """The kernels round to the 16-bit type in registers, to nearest even as torch does: the
+    residual sum is the same bits, the norm and the activation within one rounding."""
+    g = torch.Generator().manual_seed(width)
+    x, res = (torch.randn(33, width, generator=g).to(dtype) for _ in range(2))
+    w = torch.randn(width, generator=g).to(dtype)
+    got, got_res = CpuOps.add_rms_norm(x.clone(), res.clone(), w, 1e-5)
+    want, want_res = TorchOps.add_rms_norm(x, res, w, 1e-5)
+    assert torch.equal(got_res, want_res)
+    tol = {"atol": 1e-2, "rtol": 1.6e-2} if dtype == torch.bfloat16 else {"atol": 2e-3, "rtol": 2e-3}
+    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(CpuOps.rms_norm(x, w, 1e-5), TorchOps.rms_norm(x, w, 1e-5), **tol)
+    gate_up = (torch.randn(33, 2 * 96, generator=g) * 4).to(dtype)
+    torch.testing.assert_close(CpuOps.silu_and_mul(gate_up), TorchOps.silu_and_mul(gate_up), **tol)
 
 
 def test_fused_ops_equal_the_torch_ops():
@@ -192,7 +221,8 @@ def test_select_backend_names_and_refusals(monkeypatch):
     assert select_backend(torch.device("cpu")).name == "cpu"
     assert select_backend(torch.device("cpu"), "auto").name == "cpu"
     assert select_backend(torch.device("cpu"), "torch").name == "torch"
-    with pytest.raises(ValueError, match="attention_backend must be one of auto, cpu, torch"):
+    assert select_backend(torch.device("cpu"), "cpu_paged").paged_prefill
+    with pytest.raises(ValueError, match="attention_backend must be one of auto, cpu, cpu_paged, torch"):
         select_backend(torch.device("cpu"), "flash")
     with pytest.raises(ValueError, match="runs on the CPU"):
         select_backend(torch.device("meta"), "cpu")

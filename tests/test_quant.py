@@ -4,6 +4,8 @@ against the dequantized path."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import gguf
 import numpy as np
 import pytest
@@ -11,6 +13,7 @@ import test_models
 import torch
 import torch.nn.functional as F
 import transformers
+from support import CPU_COMBINATIONS, assert_greedy_close
 from test_models import SIZES, byte_level_tokenizer_metadata, write_gguf
 
 from atom_anyio import LLM, SamplingParams
@@ -250,49 +253,73 @@ def tiny_k_quant_gguf(tmp_path_factory):
 
 
 PROMPTS = [[258, 72, 101, 108], [259, 97, 98, 99, 100, 101, 102, 103, 104, 105, 106], [260, 7]]
-GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
-def greedy(llm: LLM) -> list[list[int]]:
-    return [out.outputs[0].token_ids for out in llm.generate(PROMPTS, GREEDY)]
+def greedy_outputs(llm: LLM) -> list:
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
+    return [out.outputs[0] for out in llm.generate(PROMPTS, params)]
 
 
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
-def test_auto_dtype_keeps_gguf_quantized_and_float32_dequantizes(tiny_chat_gguf, qtype):
-    quantized = load_model(tiny_chat_gguf[qtype], dtype="auto")
+def test_packed_gguf_stays_quantized_and_float32_dequantizes(tiny_chat_gguf, qtype):
+    quantized = load_model(tiny_chat_gguf[qtype], dtype="float32", gguf_weights="packed")
     layer = quantized.model.model.layers[0]
     assert isinstance(layer.mlp.gate_up_proj, QuantLinear) and layer.mlp.gate_up_proj.weight.qtype == qtype
     assert isinstance(layer.self_attn.qkv_proj, QuantLinear)  # packed q/k/v stay quantized
-    dequantized = load_model(tiny_chat_gguf[qtype], dtype="float32")
+    assert layer.mlp.gate_up_proj.weight.dense is None
+    dequantized = load_model(tiny_chat_gguf[qtype], dtype="float32")  # a named dtype dequantizes
     assert type(dequantized.model.model.layers[0].mlp.gate_up_proj) is torch.nn.Linear
     assert quant.weight_bytes(quantized.model) < quant.weight_bytes(dequantized.model) / 2
 
 
-def tiny_llm(path, dtype: str, attention_backend: str) -> LLM:
-    return LLM(str(path), dtype=dtype, attention_backend=attention_backend, num_kv_blocks=32)
+def test_auto_keeps_blocks_and_adds_a_dense_copy_where_activations_are_bfloat16(tiny_chat_gguf):
+    """auto on this CPU: bfloat16 and a dense copy beside the blocks where it has native bfloat16,
+    float32 and the blocks alone elsewhere; ``both`` forces the copy, with the same bits."""
+    auto = load_model(tiny_chat_gguf[Q.Q4_1], dtype="auto").model
+    gate_up = auto.model.layers[0].mlp.gate_up_proj.weight
+    assert isinstance(gate_up, QuantizedWeight)
+    assert (gate_up.dense is not None) == kernels.has_native_bf16()
+    both = load_model(tiny_chat_gguf[Q.Q4_1], dtype="bfloat16", gguf_weights="both").model
+    w = both.model.layers[0].mlp.gate_up_proj.weight
+    assert w.dense.dtype == torch.bfloat16
+    assert torch.equal(w.dense, replace(w, dense=None).dequantize())
+    assert quant.dense_bytes(both) > 0
+
+
+def tiny_llm(path, combination: str, attention_backend: str) -> LLM:
+    dtype, gguf_weights = CPU_COMBINATIONS[combination]
+    return LLM(str(path), dtype=dtype, gguf_weights=gguf_weights, attention_backend=attention_backend, num_kv_blocks=32)
+
+
+def assert_quantized_greedy_matches(path) -> None:
+    """float32 over packed blocks on the torch ops: the same bits as the float path; on the kernels
+    (whose GEMV rounds activations to int16 per block) and in bfloat16: close, the standard way."""
+    reference = greedy_outputs(tiny_llm(path, "float32+dequantize", "torch"))
+    packed = greedy_outputs(tiny_llm(path, "float32+packed", "torch"))
+    assert [o.token_ids for o in packed] == [o.token_ids for o in reference]  # dequantized on the fly
+    if kernels.load_cpu_kernels() is not None:
+        return
+    assert_greedy_close(greedy_outputs(tiny_llm(path, "float32+packed", "cpu")), reference)
+    bf16_reference = greedy_outputs(tiny_llm(path, "bfloat16+dequantize", "torch"))
+    for combination in ("bfloat16+packed", "bfloat16+both"):
+        assert_greedy_close(greedy_outputs(tiny_llm(path, combination, "cpu")), bf16_reference)
 
 
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
 def test_quantized_greedy_equals_the_dequantized_path(tiny_chat_gguf, qtype):
-    reference = greedy(tiny_llm(tiny_chat_gguf[qtype], "float32", "torch"))
-    assert greedy(tiny_llm(tiny_chat_gguf[qtype], "auto", "torch")) == reference  # dequantized on the fly: same bits
-    if kernels.load_cpu_kernels() is None:
-        assert greedy(tiny_llm(tiny_chat_gguf[qtype], "auto", "cpu")) == reference
+    assert_quantized_greedy_matches(tiny_chat_gguf[qtype])
 
 
 @pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda t: t.name)
 def test_k_quant_model_stays_packed_and_greedy_equals_the_dequantized_path(tiny_k_quant_gguf, qtype):
     path = tiny_k_quant_gguf[qtype]
-    quantized = load_model(path, dtype="auto").model
+    quantized = load_model(path, dtype="float32", gguf_weights="packed").model
     layers = [m for m in quantized.modules() if isinstance(m, QuantLinear)]
     assert len(layers) == 2 * 4 + 1 and all(m.weight.qtype == qtype for m in layers)  # qkv, o, gate_up, down; head
     assert isinstance(quantized.model.embed_tokens, quant.QuantEmbedding)
     file_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
     assert quant.weight_bytes(quantized) <= 1.3 * file_bytes
-    reference = greedy(tiny_llm(path, "float32", "torch"))
-    assert greedy(tiny_llm(path, "auto", "torch")) == reference
-    if kernels.load_cpu_kernels() is None:
-        assert greedy(tiny_llm(path, "auto", "cpu")) == reference
+    assert_quantized_greedy_matches(path)
 
 
 def test_types_without_a_kernel_load_dequantized(tiny_chat_gguf):
@@ -301,14 +328,15 @@ def test_types_without_a_kernel_load_dequantized(tiny_chat_gguf):
 
 
 def test_smollm2_q4_1_served_quantized_answers_and_fits_its_file(smollm2_path):
-    llm = LLM(smollm2_path)  # dtype "auto": kept quantized
+    llm = LLM(smollm2_path, gguf_weights="packed")  # dtype "auto" picks the activations; the blocks alone
     model = llm.loaded.model
     assert isinstance(model.model.layers[0].mlp.down_proj, QuantLinear)
     assert isinstance(model.model.embed_tokens, quant.QuantEmbedding)
     assert model.lm_head.weight is model.model.embed_tokens.weight  # the tied head reads the Q8_0 embedding
     file_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(smollm2_path).tensors)
     assert quant.weight_bytes(model) <= 1.3 * file_bytes
-    assert model.dtype_name == "float32+Q4_1+Q8_0"  # what /version reports
+    activations = "bfloat16" if kernels.has_native_bf16() else "float32"
+    assert model.dtype_name == f"{activations}+Q4_1+Q8_0"  # what /version reports
     (out,) = llm.chat([{"role": "user", "content": "What is the capital of France?"}], GREEDY_STOP)
     assert "Paris" in out.outputs[0].text
 

@@ -153,7 +153,7 @@ def test_explicit_backends_run_here_or_refuse_in_one_line(monkeypatch):
     for name in ("flashinfer", "aiter"):
         with pytest.raises(ValueError, match=f"attention_backend '{name}' needs a GPU, and cpu is not one"):
             select_backend(cpu, name, head_dim=64)
-    with pytest.raises(ValueError, match="one of auto, cpu, torch, triton, flashinfer, aiter"):
+    with pytest.raises(ValueError, match="one of auto, cpu, cpu_paged, torch, triton, flashinfer, aiter"):
         Config.of(attention_backend="flash")
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from atom_anyio.engine.attention import BACKENDS
 from atom_anyio.engine.config import EngineConfig
-from atom_anyio.models.loader import DTYPES
+from atom_anyio.models.loader import DTYPES, GGUF_WEIGHTS
 from atom_anyio.parse import ParserSpec
 from atom_anyio.settings import ConfigError, parse_setting, setting, setting_name, settings_of
 
@@ -26,6 +26,9 @@ CONTEXT_OVERFLOW = ("error", "drop_oldest")
 class Config:
     model: str | None = setting(None, "Hugging Face directory or GGUF file (default: SmolLM2-135M-Instruct)")
     dtype: str = setting("auto", f"one of {', '.join(DTYPES)}; auto: the fastest faithful one for the device")
+    gguf_weights: str = setting(
+        "auto", "a GGUF's quantized layers: packed (CPU), dequantize, or auto (packed on the CPU when dtype is auto)"
+    )
     device: str = setting("cpu", "cpu, cuda, cuda:N")
     attention_backend: str = setting("auto", f"one of {', '.join(BACKENDS)} (docs/engine.md)")
     served_model_name: str | None = setting(None, "the model id clients send (default: from the model's name)")
@@ -62,6 +65,7 @@ class Config:
         _one_of("context_overflow", self.context_overflow, CONTEXT_OVERFLOW)
         _one_of("attention_backend", self.attention_backend, BACKENDS)
         _one_of("dtype", self.dtype, DTYPES)
+        _one_of("gguf_weights", self.gguf_weights, GGUF_WEIGHTS)
         _one_of("log_format", self.log_format, LOG_FORMATS)
         if min(self.max_waiting_seqs, self.max_waiting_tokens, self.prepare_threads) < 1:
             raise ConfigError("max_waiting_seqs, max_waiting_tokens and prepare_threads must be at least 1")

@@ -364,7 +364,9 @@ def _load(config: Config) -> LoadedModel:
     """The model; a model it cannot serve (unknown architecture, missing files) is a ``ConfigError``."""
     try:
         tp = config.engine.tensor_parallel_size
-        return load_model(config.model, config.dtype, config.device, config.attention_backend, tp)
+        return load_model(
+            config.model, config.dtype, config.device, config.attention_backend, tp, gguf_weights=config.gguf_weights
+        )
     except (ValueError, FileNotFoundError) as exc:
         raise ConfigError(f"model {config.model or '(default)'}: {exc}") from None
 

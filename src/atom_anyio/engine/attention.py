@@ -7,9 +7,13 @@ chunks. Every backend takes the same ``AttentionMetadata`` (block tables,
 context lengths, query offsets) and writes the step's K/V into the cache
 before attending over it.
 
-* ``cpu``: a C++ kernel (``csrc/paged_attention.cpp``) that reads each
-  sequence's KV through its block table where it lies: no gathered copy, no
-  padding to the longest sequence. The default on CPUs.
+* ``cpu``: decodes through a C++ kernel (``csrc/paged_attention.cpp``) that
+  reads each sequence's KV through its block table where it lies: no gathered
+  copy, no padding to the longest sequence; prefill chunks through torch's
+  flash attention for the CPU, one call per chunk (its blocked GEMMs run
+  several times faster than the kernel's per-query loop on long chunks:
+  docs/performance.md). The default on CPUs. ``cpu_paged`` runs prefill
+  chunks through the kernel too (the fused decoder's path in every step).
 * ``torch``: the portable path on any torch device. It gathers each
   sequence's context through its block table and runs batched
   ``scaled_dot_product_attention`` (one call for all decodes, one for all
@@ -41,7 +45,7 @@ from atom_anyio.models.ops import CpuOps, TorchOps
 
 log = structlog.get_logger("atom_anyio.engine")
 
-BACKENDS = ("auto", "cpu", "torch", "triton", "flashinfer", "aiter")
+BACKENDS = ("auto", "cpu", "cpu_paged", "torch", "triton", "flashinfer", "aiter")
 
 
 @dataclass
@@ -56,6 +60,7 @@ class AttentionMetadata:
     max_query_len: int
     block_size: int
     plans: dict[int | None, GatherPlan] = field(default_factory=dict, repr=False)  # by sliding window
+    chunks: list[PrefillChunk] | None = field(default=None, repr=False)  # built at the first use
     # seq_lens, block_tables, query_start_loc as built on the host, for planners that read them
     # there (FlashInfer's plan): copying them back from a GPU would be a host sync per step
     host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
@@ -104,6 +109,20 @@ class AttentionMetadata:
         k_cache.index_copy_(0, self.slot_mapping, k)
         v_cache.index_copy_(0, self.slot_mapping, v)
 
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    def prefill_chunks(self) -> list[PrefillChunk]:
+        """Each prefill chunk's rows, first position and (over a cached prefix) context slots."""
+        if self.chunks is None:
+            seq_lens, tables, query_start = self.host or (self.seq_lens, self.block_tables, self.query_start_loc)
+            self.chunks = [
+                PrefillChunk.build(int(query_start[i]), int(query_start[i + 1]), int(seq_lens[i]), tables[i], self)
+                for i in range(self.num_decode, len(seq_lens))
+            ]
+        return self.chunks
+
     def gather_plan(self, sliding_window: int | None = None) -> GatherPlan:
         """The portable path's padded gather indices and masks (built once per step and window)."""
         if sliding_window not in self.plans:
@@ -117,6 +136,53 @@ def stage(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cpu":
         return x
     return x.pin_memory().to(device, non_blocking=True)
+
+
+@dataclass
+class PrefillChunk:
+    """One sequence's prefill rows ``[begin, end)`` of the step, at positions ``start`` onwards;
+    ``slots``: its whole context's KV slots when it follows a cached prefix (None: the chunk's
+    own keys are the whole context)."""
+
+    begin: int
+    end: int
+    start: int
+    slots: torch.Tensor | None
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)  # by sliding window
+
+    @classmethod
+    def build(cls, begin: int, end: int, context: int, table: torch.Tensor, meta: AttentionMetadata) -> PrefillChunk:
+        start = context - (end - begin)
+        if start == 0:
+            return cls(begin, end, 0, None)
+        j = torch.arange(context, device=meta.block_tables.device)
+        table = table.to(meta.block_tables.device).long()
+        return cls(begin, end, start, table[j // meta.block_size] * meta.block_size + j % meta.block_size)
+
+    def mask(self, window: int | None) -> torch.Tensor | None:
+        """``[Lq, Lk]`` True where a key is visible (bottom-right causal, and the window); None: plain causal."""
+        if self.slots is None and window is None:
+            return None
+        if window not in self.masks:
+            device = self.slots.device if self.slots is not None else None
+            i = torch.arange(self.start, self.start + self.end - self.begin, device=device)[:, None]
+            j = torch.arange(self.start + self.end - self.begin, device=device)[None, :]
+            visible = j <= i
+            if window is not None:
+                visible &= j > i - window
+            self.masks[window] = visible
+        return self.masks[window]
+
+    def attend(self, q, k, v, k_cache, v_cache, window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
+        """This chunk's attention output ``[Lq, H, D]`` through ``scaled_dot_product_attention``."""
+        rows = slice(self.begin, self.end)
+        if self.slots is None:
+            keys, values = k[rows], v[rows]
+        else:
+            keys, values = k_cache.index_select(0, self.slots), v_cache.index_select(0, self.slots)
+        qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (q[rows], keys, values))
+        mask = self.mask(window)
+        return attend(qs, ks, vs, mask, sinks, is_causal=mask is None).squeeze(0).transpose(0, 1)
 
 
 @dataclass
@@ -244,29 +310,43 @@ class TorchPagedAttention:
 
 
 class CpuPagedAttention:
-    """The C++ kernel: decodes and prefill chunks in one call, reading the
-    paged KV in place (split over the keys when there are few sequences)."""
+    """Decodes through the C++ kernel, reading the paged KV in place (split over the keys
+    when there are few sequences); prefill chunks through ``PrefillChunk.attend``, or with
+    ``paged_prefill`` through the kernel too, in the same call as the decodes."""
 
-    name = "cpu"
     ops = CpuOps
+
+    def __init__(self, paged_prefill: bool = False):
+        self.paged_prefill = paged_prefill
+        self.name = "cpu_paged" if paged_prefill else "cpu"
+
+    def runs_in_kernel(self, meta: AttentionMetadata) -> bool:
+        """Whether the kernel runs the whole step (what the fused decoder, which has only the kernel, can match)."""
+        return self.paged_prefill or meta.num_decode == meta.num_seqs
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, *, sliding_window=None, sinks=None):
         meta.store_kv(k, v, k_cache, v_cache)
         q = q.contiguous()
         out = torch.empty_like(q)
-        torch.ops.atom.paged_attention(
-            out,
-            q,
-            k_cache,
-            v_cache,
-            meta.block_tables,
-            meta.seq_lens,
-            meta.query_start_loc,
-            meta.block_size,
-            1.0 / math.sqrt(q.shape[-1]),
-            sliding_window or 0,
-            None if sinks is None else sinks.float().contiguous(),
-        )
+        in_kernel = meta.num_seqs if self.runs_in_kernel(meta) else meta.num_decode
+        if in_kernel:
+            rows = q.shape[0] if in_kernel == meta.num_seqs else in_kernel  # decodes: one row each
+            torch.ops.atom.paged_attention(
+                out[:rows],
+                q[:rows],
+                k_cache,
+                v_cache,
+                meta.block_tables[:in_kernel],
+                meta.seq_lens[:in_kernel],
+                meta.query_start_loc[: in_kernel + 1],
+                meta.block_size,
+                1.0 / math.sqrt(q.shape[-1]),
+                sliding_window or 0,
+                None if sinks is None else sinks.float().contiguous(),
+            )
+        if in_kernel < meta.num_seqs:
+            for chunk in meta.prefill_chunks():
+                out[chunk.begin : chunk.end] = chunk.attend(q, k, v, k_cache, v_cache, sliding_window, sinks)
         return out
 
 
@@ -310,12 +390,12 @@ def load_backend(name: str, device: torch.device, head_dim: int | None = None) -
     """Backend ``name`` on ``device``; ValueError if it cannot run there, RuntimeError if it is not installed."""
     if name == "torch":
         return TorchPagedAttention()
-    if name == "cpu":
+    if name in ("cpu", "cpu_paged"):
         if device.type != "cpu":
-            raise ValueError(f"attention_backend 'cpu' runs on the CPU, not on {device}")
+            raise ValueError(f"attention_backend {name!r} runs on the CPU, not on {device}")
         if (error := kernels.load_cpu_kernels()) is not None:
-            raise RuntimeError(f"attention_backend 'cpu' is unavailable: {error}")
-        return CpuPagedAttention()
+            raise RuntimeError(f"attention_backend {name!r} is unavailable: {error}")
+        return CpuPagedAttention(paged_prefill=name == "cpu_paged")
     if name == "triton":
         if (error := triton_unavailable(device, head_dim)) is not None:
             raise ValueError(f"attention_backend 'triton' cannot run: {error}")

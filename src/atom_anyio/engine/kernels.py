@@ -39,9 +39,43 @@ def cpu_flags() -> str:
     return platform.processor()
 
 
+@functools.cache
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), or the platform's processor string."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+# the instruction-set flags that decide dtypes and kernel paths, as benchmarks and logs report them
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
+
+
+def isa_flags() -> list[str]:
+    present = set(cpu_flags().split())
+    return [f for f in ISA_FLAGS if f in present]
+
+
 def has_native_bf16() -> bool:
     """bfloat16 dot products in hardware (AVX512-BF16 or AMX-BF16)."""
     return bool({"avx512_bf16", "amx_bf16"} & set(cpu_flags().split()))
+
+
+def build_name() -> str:
+    """The cache entry's name: a digest of everything the build depends on (the sources, their
+    place, the compiler flags, the torch it links against and the CPU's flags), so two installs
+    on one machine keep two entries instead of rebuilding each other's."""
+    digest = hashlib.sha256()
+    for p in SOURCES + HEADERS:
+        digest.update(str(p.resolve()).encode())
+        digest.update(p.read_bytes())
+    for part in (torch.__version__, torch.__file__, " ".join(FLAGS), cpu_flags()):
+        digest.update(part.encode())
+    return f"atom_cpu_kernels_{digest.hexdigest()[:16]}"
 
 
 @functools.cache
@@ -50,10 +84,9 @@ def load_cpu_kernels() -> str | None:
     ``torch.ops.atom`` is ready, else why not (logged once)."""
     from torch.utils import cpp_extension  # imports setuptools: only when needed
 
-    digest = hashlib.sha256()
-    for part in (*(p.read_bytes() for p in SOURCES + HEADERS), torch.__version__.encode(), cpu_flags().encode()):
-        digest.update(part)
-    name = f"atom_cpu_kernels_{digest.hexdigest()[:16]}"
+    name = build_name()
+    if not (Path(cpp_extension._get_build_directory(name, verbose=False)) / f"{name}.so").exists():
+        log.info("kernels.building", name=name, sources=[p.name for p in SOURCES], cpu=cpu_model(), flags=FLAGS)
     t0 = time.perf_counter()
     try:
         cpp_extension.load(

@@ -327,7 +327,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, D/2]
         cos, sin = freqs.cos() * self.rope_scale, freqs.sin() * self.rope_scale
-        if (decoder := self.fused_decoder()) is not None:
+        # the fused decoder has the paged kernel only: steps whose prefill runs elsewhere go op by op
+        if (decoder := self.fused_decoder()) is not None and self.attention_backend.runs_in_kernel(meta):
             return decoder.forward(
                 input_ids,
                 cos,

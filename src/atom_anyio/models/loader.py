@@ -23,6 +23,7 @@ from typing import Any
 
 import gguf
 import numpy as np
+import structlog
 import torch
 from safetensors import safe_open
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
@@ -33,8 +34,11 @@ from atom_anyio.generation_defaults import BUNDLED_MODEL_DEFAULTS, from_generati
 from atom_anyio.models import quant
 from atom_anyio.models.llama import FULL, SLIDING, LlamaForCausalLM, ModelConfig, pack_weights
 from atom_anyio.models.moe import MoeConfig, stack_experts
+from atom_anyio.models.ops import CpuOps, can_pack_bf16, pack_bf16_linears
 from atom_anyio.models.rope import rope_inv_freq
 from atom_anyio.models.tensor_parallel import TensorParallel
+
+log = structlog.get_logger("atom_anyio.models")
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # a `llama` GGUF with experts is Mixtral (llama.cpp's converter writes it so)
@@ -89,6 +93,7 @@ class ModelSource:
     dtype: torch.dtype | str
     device: str
     attention_backend: str | None
+    gguf_weights: str = "auto"
 
 
 @dataclass
@@ -125,6 +130,42 @@ def is_default_model(path: str) -> bool:
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # float16: GPUs only
+GGUF_WEIGHTS = ("auto", "packed", "both", "dequantize")
+DENSE_COPY_SHARE = 0.25  # auto keeps dense copies while they take at most this share of the available memory
+
+
+def gguf_layout(gguf_weights: str, dtype: torch.dtype | str, device: torch.device) -> str:
+    """How a GGUF's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K layers are held: ``packed`` (the blocks; 1-4 rows
+    through the GEMV, more through dequantized slices), ``both`` (the blocks and a dequantized
+    copy, for batched GEMMs at the float GEMM's speed) or ``dequantize`` (float weights only).
+    ``auto`` keeps them packed on the CPU when ``dtype`` is auto (a named dtype dequantizes, as it
+    always has), and adds the copy where activations are bfloat16 (``dense_copy_fits`` decides
+    once the size is known); the kernels that read blocks are CPU-only."""
+    if gguf_weights not in GGUF_WEIGHTS:
+        raise ValueError(f"gguf_weights must be one of {', '.join(GGUF_WEIGHTS)}, not {gguf_weights!r}")
+    if gguf_weights in ("packed", "both") and device.type != "cpu":
+        raise ValueError(f"gguf_weights {gguf_weights} runs on the CPU only, not on {device}")
+    if gguf_weights != "auto":
+        return gguf_weights
+    if dtype != "auto" or device.type != "cpu":
+        return "dequantize"
+    return "both" if resolve_dtype(dtype, device) == torch.bfloat16 else "packed"
+
+
+def dense_copy_fits(num_bytes: int) -> bool:
+    """Whether ``num_bytes`` of dense copies fit in ``DENSE_COPY_SHARE`` of the available memory."""
+    return num_bytes <= DENSE_COPY_SHARE * available_memory()
+
+
+def available_memory() -> int:
+    """The kernel's MemAvailable (free pages elsewhere)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def resolve_dtype(dtype: torch.dtype | str, device: torch.device) -> torch.dtype:
@@ -150,14 +191,17 @@ def load_model(
     attention_backend: str | None = None,
     tensor_parallel_size: int = 1,
     rank: int = 0,
+    gguf_weights: str = "auto",
 ) -> LoadedModel:
     """Load a Hugging Face model directory or a ``.gguf`` file; ``None`` loads
     the default model. ``attention_backend``: see ``select_backend``. With
-    ``tensor_parallel_size`` > 1, only ``rank``'s shard of the weights (models/tensor_parallel.py)."""
+    ``tensor_parallel_size`` > 1, only ``rank``'s shard of the weights (models/tensor_parallel.py).
+    ``gguf_weights``: see ``gguf_layout``."""
     path = os.fspath(path) if path else default_model_path()
-    source = ModelSource(path, dtype, str(device), attention_backend)
+    source = ModelSource(path, dtype, str(device), attention_backend, gguf_weights)
     device = torch.device(device)
-    keep_quantized = dtype == "auto" and device.type == "cpu"  # a named dtype dequantizes, as before
+    layout = gguf_layout(gguf_weights, dtype, device)
+    keep_quantized = layout != "dequantize"
     dtype = resolve_dtype(dtype, device)
     if path.endswith(".gguf"):
         cfg, state, metadata = read_gguf(path, keep_quantized, dtype)
@@ -175,6 +219,21 @@ def load_model(
         raise FileNotFoundError(f"model path {path!r} is neither a Hugging Face model directory nor a .gguf file")
     tp = TensorParallel(cfg, rank, tensor_parallel_size)
     model = build_model(cfg, tp.shard_state(state), dtype, device, attention_backend, tp)
+    if layout == "both" and (gguf_weights == "both" or dense_copy_fits(quant.dense_bytes(model))):
+        quant.add_dense_copies(model)
+    packed_bytes = 0
+    if model.attention_backend.ops is CpuOps and dtype == torch.bfloat16 and can_pack_bf16():
+        packed_bytes = pack_bf16_linears(model)
+    log.info(
+        "model.weights",
+        dtype=str(dtype).removeprefix("torch."),
+        weights=model.dtype_name,
+        dense_copies=any(m.weight.dense is not None for m in quant.quantized_modules(model)),
+        packed_mb=round(packed_bytes / 2**20, 1),
+        requested=f"dtype={source.dtype} gguf_weights={gguf_weights}",
+        cpu=kernels.cpu_model() if device.type == "cpu" else None,
+        native_bf16=kernels.has_native_bf16() if device.type == "cpu" else None,
+    )
     return LoadedModel(model, tokenizer, cfg, chat_template, name, generation_defaults=generation, source=source)
 
 

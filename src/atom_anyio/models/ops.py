@@ -69,6 +69,9 @@ class CpuOps:
     @staticmethod
     def linear(x: torch.Tensor, layer: torch.nn.Linear | quant.QuantLinear) -> torch.Tensor:
         w = layer.weight
+        packed = getattr(layer, "packed_weight", None)
+        if packed is not None and (x.shape[0] > CpuOps.MAX_GEMV_ROWS or not isinstance(w, QuantizedWeight)):
+            return torch.ops.mkldnn._linear_pointwise(x, packed, layer.bias, "none", [], "")
         if isinstance(w, QuantizedWeight):
             return quant.cpu_linear(x, w, layer.bias)
         if not 0 < x.shape[0] <= CpuOps.MAX_GEMV_ROWS or w.dtype != torch.float32 or w.shape[1] % 8:
@@ -85,7 +88,8 @@ class CpuOps:
         so each slice streams once while it is in cache): measured 1.2-1.6x faster
         than one GEMM for 16-64 rows, same bits."""
         w = layer.weight
-        if x.shape[0] <= CpuOps.MAX_GEMV_ROWS or layer.bias is not None or isinstance(w, QuantizedWeight):
+        packed = getattr(layer, "packed_weight", None) is not None
+        if x.shape[0] <= CpuOps.MAX_GEMV_ROWS or layer.bias is not None or isinstance(w, QuantizedWeight) or packed:
             return CpuOps.linear(x, layer)
         out = x.new_empty(w.shape[0], x.shape[0])
         xt = x.t()
@@ -121,3 +125,23 @@ class CpuOps:
 
 
 Ops = type[TorchOps] | type[CpuOps]
+
+
+def can_pack_bf16() -> bool:
+    """Whether oneDNN runs bfloat16 GEMMs natively here (AVX512-BF16 or AMX)."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def pack_bf16_linears(model: torch.nn.Module) -> int:
+    """Keep oneDNN's blocked layout of each bfloat16 linear weight (of a quantized layer, its dense
+    copy) beside it as ``packed_weight``, which ``CpuOps.linear`` runs: a bfloat16 GEMM on a plain
+    weight reorders the weight on every call, several times the GEMM itself at decode batch sizes
+    (docs/performance.md). Same bits as ``F.linear``. Returns the bytes the packed copies take."""
+    num_bytes = 0
+    for m in model.modules():
+        w = m.weight if isinstance(m, torch.nn.Linear | quant.QuantLinear) else None
+        dense = w.dense if isinstance(w, QuantizedWeight) else w
+        if dense is not None and dense.dtype == torch.bfloat16 and dense.device.type == "cpu":
+            m.packed_weight = torch.ops.mkldnn._reorder_linear_weight(dense.detach(), None)
+            num_bytes += dense.nbytes
+    return num_bytes

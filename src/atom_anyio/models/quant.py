@@ -45,6 +45,9 @@ class QuantizedWeight:
     qtype: gguf.GGMLQuantizationType
     shape: torch.Size
     dtype: torch.dtype = torch.float32
+    # ``dequantize()`` kept beside the blocks (``with_dense``): batched GEMMs at the float GEMM's speed,
+    # while 1-4 rows still stream the smaller blocks
+    dense: torch.Tensor | None = None
 
     def __post_init__(self):
         (n, k), (weights, size) = self.shape, BLOCKS[self.qtype]
@@ -58,16 +61,24 @@ class QuantizedWeight:
         """Same blocks, ``dtype`` as the activations' dtype; the kernels are CPU-only."""
         if device is not None and torch.device(device).type != "cpu":
             raise ValueError(f"quantized weights run on CPU only, not on {device}")
+        assert self.dense is None, "a dense copy is made after the weights are placed"
         return replace(self, dtype=dtype or self.dtype)
+
+    def with_dense(self) -> QuantizedWeight:
+        """The same blocks with their dequantized copy in ``dtype`` kept beside them."""
+        return replace(self, dense=self.dequantize())
 
     def index_select(self, dim: int, index: torch.Tensor) -> QuantizedWeight:
         """Rows ``index`` (``dim`` 0: blocks never straddle rows)."""
         assert dim == 0
         data = self.data.index_select(0, index)
-        return replace(self, data=data, shape=torch.Size((data.shape[0], self.shape[1])))
+        dense = None if self.dense is None else self.dense.index_select(0, index)
+        return replace(self, data=data, shape=torch.Size((data.shape[0], self.shape[1])), dense=dense)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The float weights, as ``gguf.quants.dequantize`` computes them (float32, then ``dtype``)."""
+        if self.dense is not None and self.dense.dtype == (dtype or self.dtype):
+            return self.dense
         n, k = self.shape
         if self.qtype in K_QUANTS:
             w = torch.from_numpy(gguf.quants.dequantize(self.data.numpy(), self.qtype))
@@ -92,6 +103,7 @@ class QuantizedWeight:
         if func is not torch.cat or kwargs.get("dim", args[1] if len(args) > 1 else 0) != 0:
             return NotImplemented
         parts = args[0]
+        assert all(p.dense is None for p in parts if isinstance(p, QuantizedWeight)), "packed before dense copies"
         if all(isinstance(p, QuantizedWeight) for p in parts) and len({p.qtype for p in parts}) == 1:
             data = torch.cat([p.data for p in parts])
             return replace(parts[0], data=data, shape=torch.Size((data.shape[0], parts[0].shape[1])))
@@ -99,7 +111,7 @@ class QuantizedWeight:
 
     @property
     def nbytes(self) -> int:
-        return self.data.nbytes
+        return self.data.nbytes + (0 if self.dense is None else self.dense.nbytes)
 
 
 class QuantLinear(nn.Module):
@@ -159,10 +171,29 @@ def install(model: nn.Module, state: dict[str, torch.Tensor | QuantizedWeight]) 
     return rest
 
 
+def quantized_modules(model: nn.Module) -> list[QuantLinear | QuantEmbedding]:
+    return [m for m in model.modules() if isinstance(m, QuantLinear | QuantEmbedding)]
+
+
+def dense_bytes(model: nn.Module) -> int:
+    """Bytes the dequantized copies of the model's quantized weights take (``add_dense_copies``), each once."""
+    weights = {id(m.weight): m.weight for m in quantized_modules(model)}
+    return sum(w.shape.numel() * w.dtype.itemsize for w in weights.values())
+
+
+def add_dense_copies(model: nn.Module) -> None:
+    """Keep each quantized weight's dequantized copy beside its blocks (one copy for a tied head)."""
+    copies: dict[int, QuantizedWeight] = {}
+    for m in quantized_modules(model):
+        m.weight = copies.setdefault(id(m.weight), m.weight.with_dense())
+
+
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of every weight the model holds: parameters, buffers and quantized blocks, each storage once."""
+    """Bytes of every weight the model holds: parameters, buffers and quantized blocks (and their
+    dense copies), each storage once."""
     tensors = [*model.parameters(), *model.buffers()]
-    tensors += [m.weight.data for m in model.modules() if isinstance(m, QuantLinear | QuantEmbedding)]
+    for m in quantized_modules(model):
+        tensors += [m.weight.data] + ([] if m.weight.dense is None else [m.weight.dense])
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
     return sum(storages.values())
 
@@ -175,15 +206,21 @@ SLICE_FLOATS = 1 << 17  # floats of dequantized weights per GEMM (512 KiB: stays
 
 
 def cpu_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x W^T + b`` with the kernels; float32 arithmetic, the result in ``x``'s dtype."""
-    if x.dtype != torch.float32:
-        return cpu_linear(x.float(), w, None if bias is None else bias.float()).to(x.dtype)
-    x = x.contiguous()
-    if x.shape[0] <= MAX_GEMV_ROWS:  # decode: the hot path, kept lean
-        out = x.new_empty(x.shape[0], w.shape[0])
-        torch.ops.atom.qgemv(out, x, w.data, w.qtype.value, bias)
-        return out
+    """``x W^T + b`` with the kernels, the result in ``x``'s dtype. 1-4 rows: the GEMV over the blocks
+    (float32 arithmetic); more: the dense copy where there is one, else slices dequantized in ``x``'s
+    dtype, each through torch's GEMM (oneDNN's bfloat16 GEMM, AMX where the CPU has it)."""
     n, k = w.shape
+    if x.shape[0] == 0:  # a step that samples nothing (a long prompt's first chunks)
+        return x.new_empty(0, n)
+    if x.shape[0] <= MAX_GEMV_ROWS:  # decode: the hot path, kept lean
+        if x.dtype != torch.float32:
+            return cpu_linear(x.float(), w, None if bias is None else bias.float()).to(x.dtype)
+        out = x.new_empty(x.shape[0], n)
+        torch.ops.atom.qgemv(out, x.contiguous(), w.data, w.qtype.value, bias)
+        return out
+    if w.dense is not None:
+        return F.linear(x, w.dense, bias)
+    x = x.contiguous()
     rows = slice_rows(k)
     buffer = x.new_empty(min(rows, n), k)
     out = x.new_empty(n, x.shape[0])
@@ -202,6 +239,8 @@ def slice_rows(k: int) -> int:
 
 
 def cpu_dequantize(w: QuantizedWeight) -> torch.Tensor:
+    if w.dense is not None:
+        return w.dense
     out = torch.empty(w.shape, dtype=w.dtype)
     torch.ops.atom.dequantize(out, w.data, w.qtype.value)
     return out

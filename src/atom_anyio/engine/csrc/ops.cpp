@@ -28,8 +28,10 @@ void rms_norm_row(const T* x, const T* w, T* out, int64_t n, float eps) {
   for (int64_t i = 0; i < n; ++i) sum += float(x[i]) * float(x[i]);
   const float inv = 1.f / std::sqrt(sum / float(n) + eps);
   // the reference rounds the normalised row to the model dtype before the weight
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) out[i] = T(float(w[i]) * float(T(float(x[i]) * inv)));
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    store_as(out + i, mul(load_as_float(w + i), round_as<T>(mul(load_as_float(x + i), splat(inv)))));
+  for (; i < n; ++i) out[i] = T(float(w[i]) * float(T(float(x[i]) * inv)));
 }
 
 template <typename T>
@@ -51,8 +53,9 @@ void add_rms_norm_rows(T* xp, T* rp, const T* wp, int64_t rows, int64_t n, float
     for (int64_t r = b; r < e; ++r) {
       T* xr = xp + r * n;
       T* rr = rp + r * n;
-#pragma omp simd
-      for (int64_t i = 0; i < n; ++i) rr[i] = T(float(rr[i]) + float(xr[i]));
+      int64_t i = 0;
+      for (; i + 8 <= n; i += 8) store_as(rr + i, add(load_as_float(rr + i), load_as_float(xr + i)));
+      for (; i < n; ++i) rr[i] = T(float(rr[i]) + float(xr[i]));
       rms_norm_row(rr, wp, xr, n, eps);
     }
   });
@@ -67,16 +70,15 @@ void add_rms_norm_impl(at::Tensor& x, at::Tensor& residual, const at::Tensor& w,
 template <typename T>
 void silu_and_mul_rows(T* op, const T* xp, int64_t rows, int64_t n) {
   at::parallel_for(0, rows, 4, [&](int64_t b, int64_t e) {
-    float silu[8];
     for (int64_t r = b; r < e; ++r) {
       const T* gate = xp + r * 2 * n;
       const T* up = gate + n;
       T* o = op + r * n;
       for (int64_t i = 0; i < n; i += 8) {
         const V8 g = load_as_float(gate + i);
-        store_as(silu, div(g, add(splat(1.f), exp(sub(splat(0.f), g)))));
+        const V8 silu = div(g, add(splat(1.f), exp(sub(splat(0.f), g))));
         // rounded to the model dtype after silu, as the reference's two ops do
-        for (int j = 0; j < 8; ++j) o[i + j] = T(float(T(silu[j])) * float(up[i + j]));
+        store_as(o + i, mul(round_as<T>(silu), load_as_float(up + i)));
       }
     }
   });

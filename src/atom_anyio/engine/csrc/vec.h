@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -140,17 +141,54 @@ inline void transpose8(const T* src, int64_t ld, int n, float* dst, int ldd) {
 #endif
 
 
-// stores eight floats as T (round to nearest even for the 16-bit types)
+#if defined(__AVX2__) && defined(__FMA__)
+// float -> bfloat16 bits in the low half of each lane, rounded to nearest even as c10::BFloat16 does (NaN: 0x7FC0)
+inline __m256i bf16_bits(V8 a) {
+  const __m256i u = _mm256_castps_si256(a.v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(a.v, a.v, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+}
+constexpr int HALF_ROUNDING = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+
+// a rounded to T and back to float, in registers (what float(T(x)) gives)
 template <typename T>
-inline void store_as(T* p, V8 a) {
-  if constexpr (std::is_same_v<T, float>) {
-    store(p, a);
+inline V8 round_as(V8 a) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(a), 16))};
+  } else if constexpr (std::is_same_v<T, c10::Half>) {
+    return {_mm256_cvtph_ps(_mm256_cvtps_ph(a.v, HALF_ROUNDING))};
   } else {
-    float tmp[8];
-    store(tmp, a);
-    for (int i = 0; i < 8; ++i) p[i] = T(tmp[i]);
+    return a;
   }
 }
+
+// stores eight floats as T (round to nearest even for the 16-bit types, as T(x) does)
+template <typename T>
+inline void store_as(T* p, V8 a) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const __m256i r = bf16_bits(a);
+    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+  } else if constexpr (std::is_same_v<T, c10::Half>) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(a.v, HALF_ROUNDING));
+  } else {
+    store(p, a);
+  }
+}
+#else
+template <typename T>
+inline V8 round_as(V8 a) {
+  for (int i = 0; i < 8; ++i) a.v[i] = float(T(a.v[i]));
+  return a;
+}
+
+template <typename T>
+inline void store_as(T* p, V8 a) {
+  for (int i = 0; i < 8; ++i) p[i] = T(a.v[i]);
+}
+#endif
 
 // F<T>::run(args...) for the kernels' element types: float, bfloat16, float16
 template <template <typename> class F, typename... Args>

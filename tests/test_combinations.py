@@ -1,0 +1,90 @@
+"""Every combination of activation dtype and GGUF weight layout that ``auto`` picks on some CPU,
+forced and run on this one: a prompt longer than one prefill chunk (whose first chunks sample
+nothing) answers in each, with or without the fused decoder, and at the defaults on the real
+server it never fails the step (it once gave a 500, and three of them stopped the engine)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from support import CPU_COMBINATIONS, assert_greedy_close, serving_app
+from test_quant import tiny_wide_ggufs
+
+from atom_anyio import LLM, SamplingParams
+from atom_anyio.models.loader import load_model
+from atom_anyio.models.ops import CpuOps, can_pack_bf16, pack_bf16_linears
+
+Q = __import__("gguf").GGMLQuantizationType
+LONG_PROMPT = [258 + (i * 7) % 4 for i in range(40)] + [(i * 37) % 250 + 5 for i in range(260)]  # 300 tokens
+
+
+@pytest.fixture(scope="module")
+def tiny_q4_1(tmp_path_factory):
+    return tiny_wide_ggufs(tmp_path_factory.mktemp("combinations"), [Q.Q4_1])[Q.Q4_1]
+
+
+def generate(path, combination: str, budget: int, max_tokens: int, fused: bool = True):
+    dtype, gguf_weights = CPU_COMBINATIONS[combination]
+    loaded = load_model(str(path), dtype, attention_backend="cpu", gguf_weights=gguf_weights)
+    loaded.model.use_fused = fused
+    llm = LLM(loaded, max_num_batched_tokens=budget, num_kv_blocks=64, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=5)
+    outs = llm.generate([LONG_PROMPT, LONG_PROMPT[:37]], params, use_tqdm=False)
+    assert llm.engine.block_manager.num_free_blocks == 64
+    return [o.outputs[0] for o in outs], loaded.model
+
+
+@pytest.mark.parametrize("max_tokens", [1, 4])
+@pytest.mark.parametrize("combination", list(CPU_COMBINATIONS))
+def test_prompt_longer_than_a_prefill_chunk_answers_in_every_combination(tiny_q4_1, combination, max_tokens):
+    chunked, model = generate(tiny_q4_1, combination, budget=64, max_tokens=max_tokens)
+    assert [o.finish_reason for o in chunked] == ["length", "length"], [o.error for o in chunked]
+    assert [len(o.token_ids) for o in chunked] == [max_tokens, max_tokens]
+    dtype, gguf_weights = CPU_COMBINATIONS[combination]
+    assert model.dtype_name.startswith(dtype) and ("Q4_1" in model.dtype_name) == (gguf_weights != "dequantize")
+    whole, _ = generate(tiny_q4_1, combination, budget=2048, max_tokens=max_tokens)
+    assert_greedy_close(chunked, whole)
+
+
+def test_the_fused_decoder_and_the_op_by_op_path_agree_on_a_long_prompt(tiny_q4_1):
+    fused, model = generate(tiny_q4_1, "float32+packed", budget=64, max_tokens=4, fused=True)
+    assert model.fused_decoder() is not None
+    op_by_op, _ = generate(tiny_q4_1, "float32+packed", budget=64, max_tokens=4, fused=False)
+    assert [o.finish_reason for o in fused + op_by_op] == ["length"] * 4
+    assert_greedy_close(fused, op_by_op)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.mark.anyio
+async def test_default_server_answers_long_prompts_and_stays_healthy(smollm2_path):
+    """The report, at this machine's defaults: three uncached 1,500-word messages with max_tokens 1,
+    then a short one; each answers 200 (each was a 500, then 503 engine_dead for everyone)."""
+    messages = [(" ".join(f"{word}{i}" for i in range(1500)), 1) for word in ("item", "entry", "part")]
+    async with serving_app(load_model(None, "auto")) as atom:  # what the server loads at its defaults
+        client = atom.quart.test_client()
+        for content, max_tokens in [*messages, ("Hi", 2)]:
+            body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens}
+            r = await client.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, await r.get_data(as_text=True)
+            assert (await r.get_json())["usage"]["completion_tokens"] == max_tokens
+        assert (await client.get("/health")).status_code == 200
+
+
+@pytest.mark.skipif(not can_pack_bf16(), reason="packed bfloat16 GEMM: oneDNN has no native bfloat16 on this CPU")
+@pytest.mark.parametrize("rows", [1, 3, 5, 16, 100])
+def test_packed_bfloat16_linears_give_the_plain_gemms_bits(tiny_q4_1, rows):
+    model = load_model(str(tiny_q4_1), "bfloat16", attention_backend="cpu", gguf_weights="both").model
+    float_layer = torch.nn.Linear(256, 96, bias=True).bfloat16()
+    pack_bf16_linears(float_layer)
+    quantized = model.model.layers[0].mlp.gate_up_proj
+    assert quantized.packed_weight is not None and model.lm_head.packed_weight is not None
+    x = torch.randn(rows, 256).bfloat16()
+    with torch.inference_mode():
+        assert torch.equal(CpuOps.linear(x, float_layer), F.linear(x, float_layer.weight, float_layer.bias))
+        if rows > CpuOps.MAX_GEMV_ROWS:  # fewer rows stream the blocks through the GEMV
+            assert torch.equal(CpuOps.linear(x, quantized), F.linear(x, quantized.weight.dense))
