@@ -12,6 +12,7 @@ from support import CPU_COMBINATIONS, assert_greedy_close, serving_app
 from test_quant import tiny_wide_ggufs
 
 from atom_anyio import LLM, SamplingParams
+from atom_anyio.engine import kernels
 from atom_anyio.models.loader import load_model
 from atom_anyio.models.ops import CpuOps, can_pack_bf16, pack_bf16_linears
 
@@ -88,3 +89,19 @@ def test_packed_bfloat16_linears_give_the_plain_gemms_bits(tiny_q4_1, rows):
         assert torch.equal(CpuOps.linear(x, float_layer), F.linear(x, float_layer.weight, float_layer.bias))
         if rows > CpuOps.MAX_GEMV_ROWS:  # fewer rows stream the blocks through the GEMV
             assert torch.equal(CpuOps.linear(x, quantized), F.linear(x, quantized.weight.dense))
+
+
+def test_the_portable_kernels_can_be_forced_and_answer_alike(tiny_q4_1):
+    """``cpu_native_kernels=False`` runs the portable twins (what an AVX2 CPU runs) on any CPU."""
+    dtype, gguf_weights = CPU_COMBINATIONS["bfloat16+packed"]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5)
+    outputs = {}
+    try:
+        for native in (True, False):
+            loaded = load_model(str(tiny_q4_1), dtype, attention_backend="cpu_paged", gguf_weights=gguf_weights)
+            llm = LLM(loaded, num_kv_blocks=64, cpu_native_kernels=native)
+            assert kernels.use_native_kernels(native) == native  # what the engine set
+            outputs[native] = [o.outputs[0] for o in llm.generate([LONG_PROMPT, LONG_PROMPT[:37]], params)]
+    finally:
+        kernels.use_native_kernels(True)
+    assert_greedy_close(outputs[False], outputs[True])

@@ -277,3 +277,47 @@ def test_lm_head_in_vocabulary_slices_equals_one_gemm(rows):
     x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
     with torch.no_grad():
         torch.testing.assert_close(CpuOps.lm_head(x, head), TorchOps.lm_head(x, head), atol=1e-5, rtol=1e-5)
+
+
+NATIVE_ATTENTION = "paged_attention_avx512_bf16"
+
+
+@pytest.mark.skipif(
+    NATIVE_ATTENTION not in kernels.native_kernels(), reason=f"{NATIVE_ATTENTION}: this CPU has no AVX512-BF16"
+)
+@pytest.mark.parametrize("window,sinks", [(None, False), (5, False), (17, True), (None, True)])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (8, 2, 128, 16), (4, 2, 16, 4), (4, 4, 32, 32)]
+)
+def test_native_bf16_attention_equals_its_portable_twin(layout, window, sinks, heads, kv_heads, head_dim, block_size):
+    """The AVX512-BF16 variant (pair dot products, 16-wide values) against the portable
+    AVX2 code on the same bfloat16 step, prefill rows through the kernel too: within a
+    rounding of the bfloat16 output."""
+    query_lens, context_lens = LAYOUTS[layout]
+    q, k, v, k_cache, v_cache, meta = paged_step(
+        query_lens, context_lens, heads, kv_heads, head_dim, block_size, dtype=torch.bfloat16, seed=11
+    )
+    kwargs = {"sliding_window": window, "sinks": torch.randn(heads) if sinks else None}
+    backend = CpuPagedAttention(paged_prefill=True)
+    native = backend.forward(q, k, v, k_cache, v_cache, meta, **kwargs)
+    before = kernels.use_native_kernels(False)
+    try:
+        portable = backend.forward(q, k, v, k_cache, v_cache, meta, **kwargs)
+    finally:
+        kernels.use_native_kernels(before)
+    assert not torch.equal(native, torch.zeros_like(native))
+    torch.testing.assert_close(native.float(), portable.float(), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.skipif(
+    NATIVE_ATTENTION not in kernels.native_kernels(), reason=f"{NATIVE_ATTENTION}: this CPU has no AVX512-BF16"
+)
+@pytest.mark.parametrize("context", [4096, 20000])
+def test_native_bf16_long_decodes_split_over_the_keys_equal_the_float32_reference(context):
+    q, k, v, k_cache, v_cache, meta = paged_step(
+        [1, 1, 1], [context, context - 5, 7], 9, 3, 64, 16, dtype=torch.bfloat16
+    )
+    out = CpuPagedAttention().forward(q, k, v, k_cache, v_cache, meta)
+    ref = TorchPagedAttention().forward(q.float(), k.float(), v.float(), k_cache.float(), v_cache.float(), meta)
+    torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)

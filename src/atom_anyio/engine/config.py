@@ -27,6 +27,10 @@ class EngineConfig:
     max_pending_deltas: int = setting(64, "unread deltas per request; past it a slow reader's deltas are merged")
     # the forward leaves the GIL, and on the 2-core VM two threads served 1.6x the output of one at c16
     num_threads: int | None = setting(None, "torch threads for the forward on CPU (default: every core)")
+    cpu_native_kernels: bool = setting(
+        True,
+        "the CPU kernels' native variants where the CPU has them (AVX512-BF16 attention); false: the portable twins",
+    )
     tensor_parallel_size: int = setting(
         1, "ranks the model is split across, one process each (gloo on CPU, NCCL on GPUs; docs/engine.md)"
     )

@@ -60,6 +60,17 @@ def isa_flags() -> list[str]:
     return [f for f in ISA_FLAGS if f in present]
 
 
+def native_kernels() -> list[str]:
+    """The variants the build runs beyond the portable code (``paged_attention_avx512_bf16`` where
+    the CPU has AVX512-BF16); empty without the kernels."""
+    return list(torch.ops.atom.native_kernels()) if load_cpu_kernels() is None else []
+
+
+def use_native_kernels(enabled: bool) -> bool:
+    """Run the native variants (the default) or their portable twins; returns the previous setting."""
+    return bool(torch.ops.atom.set_native_kernels(enabled))
+
+
 def has_native_bf16() -> bool:
     """bfloat16 dot products in hardware (AVX512-BF16 or AMX-BF16)."""
     return bool({"avx512_bf16", "amx_bf16"} & set(cpu_flags().split()))
@@ -101,5 +112,10 @@ def load_cpu_kernels() -> str | None:
         reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc}"
         log.warning("kernels.unavailable", reason=reason)
         return reason
-    log.info("kernels.loaded", name=name, seconds=round(time.perf_counter() - t0, 2))
+    log.info(
+        "kernels.loaded",
+        name=name,
+        seconds=round(time.perf_counter() - t0, 2),
+        native=list(torch.ops.atom.native_kernels()),
+    )
     return None

@@ -82,7 +82,14 @@ class Engine:
         if cfg.tensor_parallel_size > 1:  # rank 0, driving the other ranks' processes
             self.worker = TensorParallelWorker(loaded, num_blocks, cfg)
         else:
-            self.worker = Worker(loaded.model, num_blocks, cfg.block_size, cfg.cpu_threads, decode_graphs=graphs)
+            self.worker = Worker(
+                loaded.model,
+                num_blocks,
+                cfg.block_size,
+                cfg.cpu_threads,
+                decode_graphs=graphs,
+                native_kernels=cfg.cpu_native_kernels,
+            )
         self._inbox: list[Sequence] = []
         self._in_flight: deque[InFlight] = deque()  # async scheduling: at most two steps
         self._wakeup: anyio.Event | None = None  # created by run(): an Event belongs to one event loop

@@ -19,6 +19,7 @@ import torch
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from atom_anyio.engine import kernels
 from atom_anyio.engine.attention import AttentionMetadata, stage
 from atom_anyio.engine.config import EngineConfig
 from atom_anyio.engine.cuda_graphs import DecodeGraphs
@@ -26,6 +27,7 @@ from atom_anyio.engine.grammar import accept_tokens, apply_masks
 from atom_anyio.engine.sampler import INVALID_TOKEN, MIN_LOGPROB, Sampler, SamplingInputs
 from atom_anyio.engine.stream import Logprob
 from atom_anyio.models.llama import LlamaForCausalLM
+from atom_anyio.models.ops import CpuOps
 
 
 @dataclass
@@ -111,10 +113,13 @@ class Worker:
         block_size: int,
         num_threads: int = 1,
         decode_graphs: tuple[int, int] | None = None,  # (max_model_len, max_num_seqs): see cuda_graphs.py
+        native_kernels: bool = True,  # the CPU kernels' native variants (process-wide: kernels.use_native_kernels)
     ):
         self.model = model
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        if self.device.type == "cpu" and model.attention_backend.ops is CpuOps:
+            kernels.use_native_kernels(native_kernels)
         cfg = model.config
         num_slots = (num_blocks + (decode_graphs is not None)) * block_size  # a spare block for padding rows
         self.kv_pool = torch.zeros(

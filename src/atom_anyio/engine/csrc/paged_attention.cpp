@@ -17,6 +17,8 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include <cstring>
+#include <string>
 #include <vector>
 
 #include "kernels.h"
@@ -157,6 +159,137 @@ inline void rows_dispatch(int rows, const float* q, int D, const float* kt, cons
   }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define ATOM_AVX512_BF16 1
+#endif
+
+#ifdef ATOM_AVX512_BF16
+// The AVX512-BF16 variant for bfloat16 caches: scores as bfloat16 pair dot products
+// (vdpbf16ps: products exact, sums in float32) over keys transposed as pairs, and values
+// read as bfloat16 into 16-float FMAs, in place of staging every key and value as float.
+constexpr int NB = 6;  // rows per register block
+
+// rows r[0..15] of 16 dwords -> columns (a 16 x 16 transpose)
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int g = 0; g < 4; ++g) {  // u[4g + c]: rows 4g..4g+3 of columns c, c + 4, c + 8, c + 12 (one per 128-bit lane)
+    u[4 * g + 0] = _mm512_unpacklo_epi64(t[4 * g + 0], t[4 * g + 2]);
+    u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g + 0], t[4 * g + 2]);
+    u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+    u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
+    const __m512i v3 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+    r[c] = _mm512_shuffle_i32x4(v0, v2, 0x88), r[c + 4] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+    r[c + 8] = _mm512_shuffle_i32x4(v1, v3, 0x88), r[c + 12] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+  }
+}
+
+// kp[p * 16 + j] = dims 2p, 2p + 1 of key j as one dword, for the chunk's n keys (zero past n)
+inline void stage_key_pairs(const c10::BFloat16* k, int64_t ld, int n, int P, uint32_t* kp) {
+  for (int p0 = 0; p0 < P; p0 += 16) {
+    const __mmask16 cols = P - p0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (P - p0)) - 1);
+    __m512i r[16];
+    for (int j = 0; j < 16; ++j)
+      r[j] = j < n ? _mm512_maskz_loadu_epi32(cols, reinterpret_cast<const uint32_t*>(k + j * ld) + p0)
+                   : _mm512_setzero_si512();
+    transpose16(r);
+    for (int p = 0; p < 16 && p0 + p < P; ++p) _mm512_storeu_si512(kp + (p0 + p) * 16, r[p]);
+  }
+}
+
+// exp as exp() in vec.h (Cephes), 16 lanes; 0 below -88
+inline __m512 exp16(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-88.3762626647949f);
+  const __mmask16 tiny = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), lo);
+  const __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+  const __m512 z = _mm512_mul_ps(x, x);
+  __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
+  y = _mm512_fmadd_ps(y, z, _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(__mmask16(~tiny), y, _mm512_castsi512_ps(e));
+}
+
+inline __m512 bf16x16_to_float(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// one chunk of n keys for NR rows: scores, online softmax, values (q as bf16 pairs, unscaled)
+template <int NR>
+inline void bf16_rows_chunk(const uint32_t* q, int P, const uint32_t* kp, const c10::BFloat16* v, int64_t ldv, int n,
+                            const int* qpos, int key0, int window, float scale, float* m, float* l, float* o) {
+  const int D = 2 * P;
+  __m512 s[NR];
+  for (int r = 0; r < NR; ++r) s[r] = _mm512_setzero_ps();
+  for (int p = 0; p < P; ++p) {
+    const __m512bh kv = (__m512bh)_mm512_loadu_si512(kp + p * 16);
+    for (int r = 0; r < NR; ++r) s[r] = _mm512_dpbf16_ps(s[r], (__m512bh)_mm512_set1_epi32(q[r * P + p]), kv);
+  }
+  alignas(64) float pr[NR * 16];
+  for (int r = 0; r < NR; ++r) {
+    const int visible = std::min(n, qpos[r] - key0 + 1);  // causal: keys up to the row's own position
+    __mmask16 keep = visible <= 0 ? 0 : __mmask16((1u << visible) - 1);
+    if (window > 0) {  // sliding window: keys after the row's position - window
+      const int first = qpos[r] - window + 1 - key0;
+      if (first > 0) keep &= first >= 16 ? 0 : __mmask16(~((1u << first) - 1));
+    }
+    const __m512 sr = _mm512_mask_mul_ps(_mm512_set1_ps(NEG_INF), keep, s[r], _mm512_set1_ps(scale));
+    const float mx = std::max(m[r], _mm512_reduce_max_ps(sr));
+    if (mx == NEG_INF) {  // nothing visible yet for this row
+      _mm512_store_ps(pr + r * 16, _mm512_setzero_ps());
+      continue;
+    }
+    const __m512 e = exp16(_mm512_sub_ps(sr, _mm512_set1_ps(mx)));
+    _mm512_store_ps(pr + r * 16, e);
+    const float alpha = m[r] == NEG_INF ? 0.f : std::exp(m[r] - mx);
+    l[r] = l[r] * alpha + _mm512_reduce_add_ps(e);
+    m[r] = mx;
+    if (alpha != 1.f)
+      for (int d = 0; d < D; d += 16)
+        _mm512_storeu_ps(o + r * D + d, _mm512_mul_ps(_mm512_loadu_ps(o + r * D + d), _mm512_set1_ps(alpha)));
+  }
+  for (int d = 0; d < D; d += 16) {
+    __m512 acc[NR];
+    for (int r = 0; r < NR; ++r) acc[r] = _mm512_loadu_ps(o + r * D + d);
+    for (int j = 0; j < n; ++j) {
+      const __m512 vj = bf16x16_to_float(v + j * ldv + d);
+      for (int r = 0; r < NR; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(pr[r * 16 + j]), vj, acc[r]);
+    }
+    for (int r = 0; r < NR; ++r) _mm512_storeu_ps(o + r * D + d, acc[r]);
+  }
+}
+
+template <int NR = NB>
+inline void bf16_rows_dispatch(int rows, const uint32_t* q, int P, const uint32_t* kp, const c10::BFloat16* v,
+                               int64_t ldv, int n, const int* qpos, int key0, int window, float scale, float* m,
+                               float* l, float* o) {
+  if constexpr (NR > 0) {
+    for (; rows >= NR; rows -= NR, q += NR * P, qpos += NR, m += NR, l += NR, o += NR * 2 * P)
+      bf16_rows_chunk<NR>(q, P, kp, v, ldv, n, qpos, key0, window, scale, m, l, o);
+    if (rows > 0) bf16_rows_dispatch<NR - 1>(rows, q, P, kp, v, ldv, n, qpos, key0, window, scale, m, l, o);
+  }
+}
+#endif
+
+// whether the native variants run (atom::set_native_kernels turns them off, to compare with the portable twin)
+bool g_native = true;
+
 struct Unit {
   int seq, q_begin, q_end;  // query tokens [q_begin, q_end) of the sequence, every head
   int key_lo, key_hi;       // the keys any of them sees: [key_lo, key_hi), key_lo at a block start
@@ -216,6 +349,11 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
   at::parallel_for(0, int64_t(num_units) * splits, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qs(max_rows * D), o(max_rows * D), kt(D * KW), vb(KW * D), m(max_rows), l(max_rows);
     std::vector<int> qpos(max_rows);
+    constexpr bool is_bf16 = std::is_same_v<T, c10::BFloat16>;
+#ifdef ATOM_AVX512_BF16
+    const bool native = is_bf16 && g_native;
+    std::vector<uint32_t> qpairs(native ? max_rows * D / 2 : 0), kpairs(native ? D / 2 * 16 : 0);
+#endif
     for (int64_t item = begin; item < end; ++item) {
       const Unit& u = units[item / splits];
       const int split = item % splits;
@@ -225,8 +363,14 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
       for (int r = 0; r < rows; ++r) {  // scaled, as float
         const int h = r / group_rows, i = u.q_begin + (r / G) % nt, g = r % G;
         const T* src = qp + (int64_t(qstart[u.seq] + i) * H + h * G + g) * D;
-        for (int d = 0; d < D; ++d) qs[r * D + d] = float(src[d]) * float(scale);
         qpos[r] = first_pos + i;
+#ifdef ATOM_AVX512_BF16
+        if (native) {  // the row as bfloat16 pairs, unscaled (the scores are scaled in float)
+          std::memcpy(&qpairs[r * D / 2], src, D * sizeof(T));
+          continue;
+        }
+#endif
+        for (int d = 0; d < D; ++d) qs[r * D + d] = float(src[d]) * float(scale);
       }
       std::fill(o.begin(), o.begin() + rows * D, 0.f);
       std::fill(m.begin(), m.begin() + rows, NEG_INF);
@@ -243,6 +387,17 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
         for (int h = 0; h < KVH; ++h) {
           const T* kb = kp + slot * slot_stride + int64_t(h) * D;
           const T* vsrc = vp + slot * slot_stride + int64_t(h) * D;
+          const int r0 = h * group_rows;
+#ifdef ATOM_AVX512_BF16
+          if constexpr (is_bf16) {
+            if (native) {
+              stage_key_pairs(kb, slot_stride, n, D / 2, kpairs.data());
+              bf16_rows_dispatch(group_rows, &qpairs[r0 * D / 2], D / 2, kpairs.data(), vsrc, slot_stride, n, &qpos[r0],
+                                 key0, window, float(scale), &m[r0], &l[r0], &o[r0 * D]);
+              continue;
+            }
+          }
+#endif
           stage_keys(kb, slot_stride, n, D, kt.data());
           const float* v;
           int64_t ldv;
@@ -255,7 +410,6 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
             v = vb.data();
             ldv = D;
           }
-          const int r0 = h * group_rows;
           rows_dispatch(group_rows, &qs[r0 * D], D, kt.data(), v, ldv, n, &qpos[r0], key0, window, &m[r0], &l[r0],
                         &o[r0 * D]);
         }
@@ -340,11 +494,29 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
                            query_start, block_size, scale, sliding_window, sink_logits);
 }
 
+// the variants this build runs beyond the portable (AVX2 or plain) code, by name
+std::vector<std::string> native_kernels() {
+  std::vector<std::string> names;
+#ifdef ATOM_AVX512_BF16
+  names.push_back("paged_attention_avx512_bf16");
+#endif
+  return names;
+}
+
+// turns the native variants on or off (the portable twins run instead); returns the previous setting
+bool set_native_kernels(bool enabled) {
+  const bool before = g_native;
+  g_native = enabled;
+  return before;
+}
+
 TORCH_LIBRARY(atom, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor seq_lens, Tensor query_start, int block_size, float scale, int sliding_window=0, "
       "Tensor? sinks=None) -> ()");
+  m.def("native_kernels() -> str[]", &native_kernels);
+  m.def("set_native_kernels(bool enabled) -> bool", &set_native_kernels);
 }
 
 TORCH_LIBRARY_IMPL(atom, CPU, m) { m.impl("paged_attention", &paged_attention); }
