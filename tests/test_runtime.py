@@ -12,6 +12,7 @@ from pathlib import Path
 
 import anyio
 import pytest
+from structlog.testing import capture_logs
 from support import clean_env, free_port, running, serving_app
 
 from atom_anyio.api.runtime import model_id
@@ -64,6 +65,22 @@ def test_a_setting_is_the_same_as_a_variable_and_as_a_flag(name, raw, value):
     assert read(Config.from_env({}, **{name: getattr(args, name)})) == value
     other = {"block_size": "8"}.get(name, raw)
     assert read(Config.from_env({f"ATOM_{name.upper()}": other}, **{name: getattr(args, name)})) == value  # flag wins
+
+
+def test_an_atom_variable_that_names_no_setting_gets_one_warning_naming_the_nearest():
+    env = {"ATOM_MAX_NUM_SEQ": "4", "ATOM_GGUF_WEIGHTS": "packed", "ATOM_CACHE_DIR": "/tmp/x", "ATOMIC": "1"}
+    with capture_logs() as logs:
+        config = Config.from_env(env)
+    assert config.gguf_weights == "packed" and config.engine.max_num_seqs == EngineConfig().max_num_seqs
+    warnings = [e for e in logs if e["event"] == "config.unknown_variable"]
+    assert warnings == [
+        {
+            "event": "config.unknown_variable",
+            "variable": "ATOM_MAX_NUM_SEQ",
+            "nearest": "ATOM_MAX_NUM_SEQS",
+            "log_level": "warning",
+        }
+    ]
 
 
 @pytest.mark.parametrize(

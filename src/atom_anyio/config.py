@@ -7,10 +7,13 @@ variables are read here and nowhere else. A bad value is a ``ConfigError`` namin
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+import structlog
 
 from atom_anyio.engine.attention import BACKENDS
 from atom_anyio.engine.config import EngineConfig
@@ -18,7 +21,10 @@ from atom_anyio.models.loader import DTYPES, GGUF_WEIGHTS
 from atom_anyio.parse import ParserSpec
 from atom_anyio.settings import ConfigError, parse_setting, setting, setting_name, settings_of
 
+log = structlog.get_logger("atom_anyio.config")
+
 LOG_FORMATS = ("json", "console", "auto")
+NOT_SETTINGS = ("ATOM_CACHE_DIR",)  # the loader's conversion cache: read where it is used
 CONTEXT_OVERFLOW = ("error", "drop_oldest")
 
 
@@ -100,6 +106,8 @@ class Config:
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Config:
         """``ATOM_<NAME>`` variables, then ``overrides`` (flags, by setting name; None: not given) on top."""
         env = os.environ if environ is None else environ
+        for variable, nearest in unknown_variables(env):
+            log.warning("config.unknown_variable", variable=variable, nearest=nearest)
         values: dict[str, Any] = {}
         for owner, f in all_settings():
             name = setting_name(f)
@@ -111,6 +119,14 @@ class Config:
 
     def replace(self, **changes: Any) -> Config:
         return dataclasses.replace(self, **changes)
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[tuple[str, str | None]]:
+    """Each ``ATOM_*`` variable that names no setting, with the setting variable nearest to it
+    (a misspelt one would otherwise be ignored without a word)."""
+    names = [f"ATOM_{setting_name(f).upper()}" for _, f in all_settings()]
+    unknown = sorted(v for v in environ if v.startswith("ATOM_") and v not in names and v not in NOT_SETTINGS)
+    return [(v, next(iter(difflib.get_close_matches(v, names, n=1)), None)) for v in unknown]
 
 
 def env_setting(name: str, environ: Mapping[str, str] | None = None) -> Any:
