@@ -32,9 +32,9 @@ import transformers
 from machine import machine
 
 from atom_anyio import LLM, SamplingParams
-from atom_anyio.engine.attention import BACKENDS, load_backend
 from atom_anyio.engine.sampler import SamplingInputs
 from atom_anyio.engine.worker import StepInput, Worker, kv_bytes_per_token
+from atom_anyio.models.attention import BACKENDS, load_backend
 from atom_anyio.models.llama import ModelConfig
 from atom_anyio.models.loader import LoadedModel, build_model
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from atom_anyio.engine import kernels
+from atom_anyio import kernels
 
 
 def machine() -> dict:

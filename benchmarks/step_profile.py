@@ -26,7 +26,7 @@ from agentic import write_tiny_model
 from machine import machine
 from torch.profiler import ProfilerActivity, profile
 
-from atom_anyio.engine.attention import AttentionMetadata
+from atom_anyio.models.attention import AttentionMetadata
 from atom_anyio.models.loader import load_model
 
 # the portable path gathers each context with index_select: that is attention too

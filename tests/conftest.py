@@ -8,7 +8,7 @@ import importlib.util
 import pytest
 from support import write_tiny_llama
 
-from atom_anyio.engine import kernels
+from atom_anyio import kernels
 from atom_anyio.models.loader import LoadedModel, default_model_path, load_model
 
 

@@ -11,8 +11,7 @@ import torch.nn.functional as F
 from support import CPU_COMBINATIONS, assert_greedy_close, serving_app
 from test_quant import tiny_wide_ggufs
 
-from atom_anyio import LLM, SamplingParams
-from atom_anyio.engine import kernels
+from atom_anyio import LLM, SamplingParams, kernels
 from atom_anyio.models.loader import load_model
 from atom_anyio.models.ops import CpuOps, can_pack_bf16, pack_bf16_linears
 

@@ -1,4 +1,4 @@
-"""The fused CPU decoder (models/fused.py, engine/csrc/decoder.cpp) against
+"""The fused CPU decoder (models/fused.py, kernels/csrc/decoder.cpp) against
 the op-by-op path it replaces, for steps of one token to a prefill chunk: the same
 hidden states and the same KV-cache writes, bit for bit, for each weight
 type and each attention variant the decoder takes; the models it does not
@@ -12,10 +12,9 @@ import pytest
 import torch
 from test_quant import tiny_wide_ggufs
 
-from atom_anyio import LLM, SamplingParams
-from atom_anyio.engine import kernels
-from atom_anyio.engine.attention import AttentionMetadata, CpuPagedAttention, TorchPagedAttention
+from atom_anyio import LLM, SamplingParams, kernels
 from atom_anyio.models import fused
+from atom_anyio.models.attention import AttentionMetadata, CpuPagedAttention, TorchPagedAttention
 from atom_anyio.models.llama import FULL, SLIDING, LlamaForCausalLM, ModelConfig
 from atom_anyio.models.loader import load_model
 from atom_anyio.models.moe import MoeConfig

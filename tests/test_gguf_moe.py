@@ -18,8 +18,7 @@ from gguf.quants import dequantize, quantize
 from test_models import byte_level_tokenizer_metadata, gguf_name, llama_cpp_permute, write_shape_metadata
 from test_models_arch import greedy, hf_greedy, prompt_tokens
 
-from atom_anyio import LLM
-from atom_anyio.engine import kernels
+from atom_anyio import LLM, kernels
 from atom_anyio.models.llama import FULL, SLIDING
 from atom_anyio.models.loader import GGUF_ARCHITECTURES, load_model
 from atom_anyio.models.moe import MoeConfig

@@ -11,10 +11,9 @@ import sys
 import pytest
 import torch
 
-from atom_anyio import LLM
+from atom_anyio import LLM, kernels
 from atom_anyio.config import Config
-from atom_anyio.engine import kernels
-from atom_anyio.engine.attention import (
+from atom_anyio.models.attention import (
     AttentionMetadata,
     CpuPagedAttention,
     TorchPagedAttention,
@@ -238,8 +237,8 @@ FALLBACK = """
 import json, torch
 from atom_anyio import LLM
 from atom_anyio.config import Config
-from atom_anyio.engine import kernels
-from atom_anyio.engine.attention import select_backend
+from atom_anyio import kernels
+from atom_anyio.models.attention import select_backend
 error = kernels.load_cpu_kernels()
 backend = select_backend(torch.device("cpu"))
 try:

@@ -17,7 +17,7 @@ import torch
 import transformers
 
 from atom_anyio import LLM, SamplingParams
-from atom_anyio.engine.attention import AttentionMetadata, TorchPagedAttention
+from atom_anyio.models.attention import AttentionMetadata, TorchPagedAttention
 from atom_anyio.models.llama import ARCHITECTURES
 from atom_anyio.models.loader import load_model
 from atom_anyio.models.moe import Experts, MoeConfig, Router, SparseMoeBlock

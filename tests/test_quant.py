@@ -16,8 +16,7 @@ import transformers
 from support import CPU_COMBINATIONS, assert_greedy_close
 from test_models import SIZES, byte_level_tokenizer_metadata, write_gguf
 
-from atom_anyio import LLM, SamplingParams
-from atom_anyio.engine import kernels
+from atom_anyio import LLM, SamplingParams, kernels
 from atom_anyio.models import quant
 from atom_anyio.models.loader import load_model
 from atom_anyio.models.ops import CpuOps, TorchOps

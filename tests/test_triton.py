@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are defined (first import of triton_attention)
+os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are defined (first import of models/attention/triton.py)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -15,7 +15,7 @@ from structlog.testing import capture_logs  # noqa: E402
 
 from atom_anyio import LLM, SamplingParams  # noqa: E402
 from atom_anyio.config import Config  # noqa: E402
-from atom_anyio.engine.attention import (  # noqa: E402
+from atom_anyio.models.attention import (  # noqa: E402
     AttentionMetadata,
     TorchPagedAttention,
     auto_candidates,
@@ -23,7 +23,7 @@ from atom_anyio.engine.attention import (  # noqa: E402
 )
 
 pytest.importorskip("triton")
-from atom_anyio.engine.triton_attention import TritonPagedAttention  # noqa: E402
+from atom_anyio.models.attention.triton import TritonPagedAttention  # noqa: E402
 
 
 def paged_step(query_lens, context_lens, heads, kv_heads, head_dim, block_size, dtype=torch.float32, shared=0, seed=0):

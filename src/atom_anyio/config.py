@@ -15,8 +15,8 @@ from typing import Any
 
 import structlog
 
-from atom_anyio.engine.attention import BACKENDS
 from atom_anyio.engine.config import EngineConfig
+from atom_anyio.models.attention import BACKENDS
 from atom_anyio.models.loader import DTYPES, GGUF_WEIGHTS
 from atom_anyio.parse import ParserSpec
 from atom_anyio.settings import ConfigError, parse_setting, setting, setting_name, settings_of

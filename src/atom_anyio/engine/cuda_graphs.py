@@ -18,7 +18,7 @@ import numpy as np
 import structlog
 import torch
 
-from atom_anyio.engine.attention import AttentionMetadata
+from atom_anyio.models.attention import AttentionMetadata
 from atom_anyio.models.llama import LlamaForCausalLM
 
 log = structlog.get_logger("atom_anyio.engine")

@@ -1,4 +1,4 @@
-"""The fused CPU decoder (``engine/csrc/decoder.cpp``): a step runs the whole
+"""The fused CPU decoder (``kernels/csrc/decoder.cpp``): a step runs the whole
 model in one C++ call. It calls the kernels the op-by-op path calls (and past
 four rows the same GEMMs), in the same order, so its hidden states are that
 path's bit for bit; what it saves is Python and the dispatcher between them
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from atom_anyio.engine import kernels
+from atom_anyio import kernels
 from atom_anyio.models.ops import CpuOps
 from atom_anyio.models.quant import BLOCKS, QuantizedWeight, slice_rows
 

@@ -17,8 +17,8 @@ import structlog
 import torch
 from torch import nn
 
-from atom_anyio.engine.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from atom_anyio.models import fused
+from atom_anyio.models.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from atom_anyio.models.moe import MoeConfig, SparseMoeBlock
 from atom_anyio.models.ops import Ops
 from atom_anyio.models.quant import QuantizedWeight

@@ -28,10 +28,10 @@ import torch
 from safetensors import safe_open
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from atom_anyio.engine import kernels
-from atom_anyio.engine.attention import select_backend
+from atom_anyio import kernels
 from atom_anyio.generation_defaults import BUNDLED_MODEL_DEFAULTS, from_generation_config, from_gguf_metadata
 from atom_anyio.models import quant
+from atom_anyio.models.attention import select_backend
 from atom_anyio.models.llama import FULL, SLIDING, LlamaForCausalLM, ModelConfig, pack_weights
 from atom_anyio.models.moe import MoeConfig, stack_experts
 from atom_anyio.models.ops import CpuOps, can_pack_bf16, pack_bf16_linears

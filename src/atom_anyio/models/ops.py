@@ -1,6 +1,6 @@
 """The decoder's elementwise ops, twice: ``TorchOps`` (the reference, plain
 torch on any device) and ``CpuOps`` (the fused C++ kernels of
-``engine/csrc/ops.cpp``: one pass and one dispatch each, where the reference
+``kernels/csrc/ops.cpp``: one pass and one dispatch each, where the reference
 spends six to twelve small ops per call). The model holds one of them, chosen
 with its attention backend at construction."""
 

@@ -8,7 +8,7 @@ float16 scale and 8 or 16 small integer scales. ``QuantLinear`` and
 ``install`` swaps them into a model built on
 the meta device. The ops (models/ops.py) run them: ``TorchOps`` dequantizes
 on the fly with ``QuantizedWeight.dequantize`` (the portable reference),
-``CpuOps`` with the kernels of ``engine/csrc/quant.cpp`` (a GEMV that
+``CpuOps`` with the kernels of ``kernels/csrc/quant.cpp`` (a GEMV that
 dequantizes in registers for 1-4 rows; dequantized slices and a GEMM beyond).
 The K-quants' portable path is gguf's own numpy dequantizer.
 

@@ -1,51 +1,21 @@
-"""Paged attention: one metadata object per step, backends behind one interface.
-
-The KV cache of a layer is two flat tensors ``[num_slots, num_kv_heads,
-head_dim]`` where ``slot = block_id * block_size + offset``. A step's tokens
-are flattened: decode tokens first (one per sequence), then the prefill
-chunks. Every backend takes the same ``AttentionMetadata`` (block tables,
-context lengths, query offsets) and writes the step's K/V into the cache
-before attending over it.
-
-* ``cpu``: decodes through a C++ kernel (``csrc/paged_attention.cpp``) that
-  reads each sequence's KV through its block table where it lies: no gathered
-  copy, no padding to the longest sequence; prefill chunks through torch's
-  flash attention for the CPU, one call per chunk (its blocked GEMMs run
-  several times faster than the kernel's per-query loop on long chunks:
-  docs/performance.md). The default on CPUs. ``cpu_paged`` runs prefill
-  chunks through the kernel too (the fused decoder's path in every step).
-* ``torch``: the portable path on any torch device. It gathers each
-  sequence's context through its block table and runs batched
-  ``scaled_dot_product_attention`` (one call for all decodes, one for all
-  prefill chunks). It is the reference the exactness tests pin and the
-  fallback when the kernel cannot be built.
-* ``triton`` (``triton_attention.py``): one Triton kernel for decodes and
-  prefill chunks on NVIDIA and AMD GPUs (and on the CPU under
-  ``TRITON_INTERPRET=1``, for tests).
-* ``flashinfer``, ``aiter`` (``vendor_attention.py``): thin adapters over the
-  vendor libraries, used when they are importable.
+"""What every attention backend shares: the step's ``AttentionMetadata`` (block
+tables, context lengths, query offsets) with its prefill chunks and gather
+plans, ``stage`` (host tensors onto the device), ``attend`` (the
+``scaled_dot_product_attention`` every chunk falls back to), the
+``AttentionBackend`` protocol, and ``triton_interpreted``. It imports no backend:
+the backends (``portable``, ``cpu``, ``triton``, ``vendor``) import it.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import math
 import os
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
-import structlog
 import torch
 import torch.nn.functional as F
-
-from atom_anyio.engine import kernels
-from atom_anyio.models.ops import CpuOps, TorchOps
-
-log = structlog.get_logger("atom_anyio.engine")
-
-BACKENDS = ("auto", "cpu", "cpu_paged", "torch", "triton", "flashinfer", "aiter")
 
 
 @dataclass
@@ -256,12 +226,6 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor: ...
 
 
-def gather(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``cache[index]`` for a ``[B, L]`` slot index: ``index_select`` on the
-    flattened index is several times faster than advanced indexing on CPU."""
-    return torch.index_select(cache, 0, index.reshape(-1)).view(*index.shape, *cache.shape[1:])
-
-
 def attend(q, k, v, mask: torch.Tensor | None, sinks: torch.Tensor | None, is_causal: bool = False) -> torch.Tensor:
     """``scaled_dot_product_attention`` over ``[B, H, L, D]``; ``sinks`` (a logit
     per head) join the softmax as one more key whose value is zero."""
@@ -277,149 +241,6 @@ def attend(q, k, v, mask: torch.Tensor | None, sinks: torch.Tensor | None, is_ca
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True)
 
 
-class TorchPagedAttention:
-    """Portable paged attention on any torch device (CPU, CUDA, ROCm)."""
-
-    name = "torch"
-    ops = TorchOps
-
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, *, sliding_window=None, sinks=None):
-        meta.store_kv(k, v, k_cache, v_cache)
-        plan, nd = meta.gather_plan(sliding_window), meta.num_decode
-        out = torch.empty_like(q)
-        if nd:
-            qd = q[:nd].unsqueeze(2)  # [Bd, H, 1, D]
-            kd = gather(k_cache, plan.decode_kv_index).transpose(1, 2)  # [Bd, KVH, Ld, D]
-            vd = gather(v_cache, plan.decode_kv_index).transpose(1, 2)
-            out[:nd] = attend(qd, kd, vd, plan.decode_mask, sinks).squeeze(2)
-        if plan.num_prefill_seqs == 0:
-            return out
-        if plan.prefill_fresh:
-            qp, kp, vp = (x[nd:].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-            out[nd:] = attend(qp, kp, vp, None, sinks, is_causal=True).squeeze(0).transpose(0, 1)
-            return out
-        bp, lq, h, d = plan.num_prefill_seqs, meta.max_query_len, q.shape[1], q.shape[2]
-        qpad = q.new_zeros(bp * lq, h, d)
-        qpad[plan.prefill_pad_index] = q[nd:]
-        qp = qpad.view(bp, lq, h, d).transpose(1, 2)
-        kp = gather(k_cache, plan.prefill_kv_index).transpose(1, 2)
-        vp = gather(v_cache, plan.prefill_kv_index).transpose(1, 2)
-        op = attend(qp, kp, vp, plan.prefill_mask, sinks)
-        out[nd:] = op.transpose(1, 2).reshape(bp * lq, h, d)[plan.prefill_pad_index]
-        return out
-
-
-class CpuPagedAttention:
-    """Decodes through the C++ kernel, reading the paged KV in place (split over the keys
-    when there are few sequences); prefill chunks through ``PrefillChunk.attend``, or with
-    ``paged_prefill`` through the kernel too, in the same call as the decodes."""
-
-    ops = CpuOps
-
-    def __init__(self, paged_prefill: bool = False):
-        self.paged_prefill = paged_prefill
-        self.name = "cpu_paged" if paged_prefill else "cpu"
-
-    def runs_in_kernel(self, meta: AttentionMetadata) -> bool:
-        """Whether the kernel runs the whole step (what the fused decoder, which has only the kernel, can match)."""
-        return self.paged_prefill or meta.num_decode == meta.num_seqs
-
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, *, sliding_window=None, sinks=None):
-        meta.store_kv(k, v, k_cache, v_cache)
-        q = q.contiguous()
-        out = torch.empty_like(q)
-        in_kernel = meta.num_seqs if self.runs_in_kernel(meta) else meta.num_decode
-        if in_kernel:
-            rows = q.shape[0] if in_kernel == meta.num_seqs else in_kernel  # decodes: one row each
-            torch.ops.atom.paged_attention(
-                out[:rows],
-                q[:rows],
-                k_cache,
-                v_cache,
-                meta.block_tables[:in_kernel],
-                meta.seq_lens[:in_kernel],
-                meta.query_start_loc[: in_kernel + 1],
-                meta.block_size,
-                1.0 / math.sqrt(q.shape[-1]),
-                sliding_window or 0,
-                None if sinks is None else sinks.float().contiguous(),
-            )
-        if in_kernel < meta.num_seqs:
-            for chunk in meta.prefill_chunks():
-                out[chunk.begin : chunk.end] = chunk.attend(q, k, v, k_cache, v_cache, sliding_window, sinks)
-        return out
-
-
-def select_backend(device: torch.device, name: str | None = None, head_dim: int | None = None) -> AttentionBackend:
-    """The attention backend for ``device``: ``name``, else ``auto``: the first of ``auto_candidates(device)`` that runs there, each
-    fallback logged. An explicitly named backend that cannot run is a one-line
-    error, never a silent fallback."""
-    name = name or "auto"
-    if name not in BACKENDS:
-        raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, not {name!r}")
-    device = torch.device(device)
-    if name == "auto":
-        backend = first_that_runs(auto_candidates(device), device, head_dim)
-    else:
-        backend = load_backend(name, device, head_dim)
-    log.info("attention.backend", backend=backend.name, requested=name, device=str(device))
-    return backend
-
-
-def first_that_runs(candidates: tuple[str, ...], device: torch.device, head_dim: int | None) -> AttentionBackend:
-    """The first candidate that loads on ``device``, each one that does not logged; the last must load."""
-    *fallible, last = candidates
-    for candidate in fallible:
-        try:
-            return load_backend(candidate, device, head_dim)
-        except (ValueError, RuntimeError) as exc:
-            log.warning("attention.fallback", backend=candidate, reason=str(exc))
-    return load_backend(last, device, head_dim)
-
-
-def auto_candidates(device: torch.device) -> tuple[str, ...]:
-    """``auto``'s order, fastest first: the vendor library (aiter on ROCm, FlashInfer on CUDA), Triton, torch."""
-    if device.type == "cpu":
-        return ("cpu", "torch")
-    if device.type != "cuda":
-        return ("torch",)
-    return ("aiter" if torch.version.hip else "flashinfer", "triton", "torch")
-
-
-def load_backend(name: str, device: torch.device, head_dim: int | None = None) -> AttentionBackend:
-    """Backend ``name`` on ``device``; ValueError if it cannot run there, RuntimeError if it is not installed."""
-    if name == "torch":
-        return TorchPagedAttention()
-    if name in ("cpu", "cpu_paged"):
-        if device.type != "cpu":
-            raise ValueError(f"attention_backend {name!r} runs on the CPU, not on {device}")
-        if (error := kernels.load_cpu_kernels()) is not None:
-            raise RuntimeError(f"attention_backend {name!r} is unavailable: {error}")
-        return CpuPagedAttention(paged_prefill=name == "cpu_paged")
-    if name == "triton":
-        if (error := triton_unavailable(device, head_dim)) is not None:
-            raise ValueError(f"attention_backend 'triton' cannot run: {error}")
-        from atom_anyio.engine.triton_attention import TritonPagedAttention
-
-        return TritonPagedAttention()
-    from atom_anyio.engine import vendor_attention
-
-    return vendor_attention.load(name, device, head_dim)
-
-
 def triton_interpreted() -> bool:
     """``TRITON_INTERPRET`` is on: Triton runs kernels defined from now on in its interpreter, on the CPU."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
-
-
-def triton_unavailable(device: torch.device, head_dim: int | None) -> str | None:
-    """Why the Triton kernel cannot run on ``device`` (or for ``head_dim``), or None."""
-    if importlib.util.find_spec("triton") is None:
-        return "triton is not installed"
-    if head_dim is not None and not 1 <= head_dim <= 256:
-        return f"head_dim {head_dim} is outside 1..256"
-    if device.type == "cpu":
-        return None if triton_interpreted() else "on the CPU it runs only under TRITON_INTERPRET=1"
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return f"it needs a CUDA or ROCm GPU, and {device} is not one"
-    return None

@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from atom_anyio.engine.attention import AttentionMetadata
+from atom_anyio.models.attention.metadata import AttentionMetadata
 from atom_anyio.models.ops import TorchOps
 
 FLASHINFER_HEAD_DIMS = (64, 128, 256)

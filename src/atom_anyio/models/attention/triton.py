@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from atom_anyio.engine.attention import AttentionMetadata, triton_interpreted
+from atom_anyio.models.attention.metadata import AttentionMetadata, triton_interpreted
 from atom_anyio.models.ops import TorchOps
 
 INTERPRETED = triton_interpreted()  # as @triton.jit reads it, when this module is imported

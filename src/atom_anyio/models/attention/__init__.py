@@ -1,0 +1,144 @@
+"""Paged attention: one metadata object per step, backends behind one interface.
+
+The KV cache of a layer is two flat tensors ``[num_slots, num_kv_heads,
+head_dim]`` where ``slot = block_id * block_size + offset``. A step's tokens
+are flattened: decode tokens first (one per sequence), then the prefill
+chunks. Every backend takes the same ``AttentionMetadata`` (block tables,
+context lengths, query offsets) and writes the step's K/V into the cache
+before attending over it. The metadata and the ``AttentionBackend`` protocol
+live in ``metadata.py``, which imports no backend; this package's
+``__init__`` chooses a backend (``select_backend``) and re-exports the names
+callers use.
+
+* ``cpu`` (``cpu.py``): decodes through a C++ kernel
+  (``kernels/csrc/paged_attention.cpp``) that reads each sequence's KV
+  through its block table where it lies: no gathered copy, no padding to the
+  longest sequence; prefill chunks through torch's flash attention for the
+  CPU, one call per chunk (its blocked GEMMs run several times faster than
+  the kernel's per-query loop on long chunks: docs/performance.md). The
+  default on CPUs. ``cpu_paged`` runs prefill chunks through the kernel too
+  (the fused decoder's path in every step).
+* ``torch`` (``portable.py``): the portable path on any torch device. It
+  gathers each sequence's context through its block table and runs batched
+  ``scaled_dot_product_attention`` (one call for all decodes, one for all
+  prefill chunks). It is the reference the exactness tests pin and the
+  fallback when the kernel cannot be built.
+* ``triton`` (``triton.py``): one Triton kernel for decodes and prefill
+  chunks on NVIDIA and AMD GPUs (and on the CPU under
+  ``TRITON_INTERPRET=1``, for tests).
+* ``flashinfer``, ``aiter`` (``vendor.py``): thin adapters over the vendor
+  libraries, used when they are importable.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import structlog
+import torch
+
+from atom_anyio import kernels
+from atom_anyio.models.attention.cpu import CpuPagedAttention
+from atom_anyio.models.attention.metadata import (
+    AttentionBackend,
+    AttentionMetadata,
+    GatherPlan,
+    PrefillChunk,
+    attend,
+    stage,
+    triton_interpreted,
+)
+from atom_anyio.models.attention.portable import TorchPagedAttention, gather
+
+__all__ = [
+    "BACKENDS",
+    "AttentionBackend",
+    "AttentionMetadata",
+    "CpuPagedAttention",
+    "GatherPlan",
+    "PrefillChunk",
+    "TorchPagedAttention",
+    "attend",
+    "auto_candidates",
+    "first_that_runs",
+    "gather",
+    "load_backend",
+    "select_backend",
+    "stage",
+    "triton_interpreted",
+    "triton_unavailable",
+]
+
+log = structlog.get_logger("atom_anyio.engine")
+
+BACKENDS = ("auto", "cpu", "cpu_paged", "torch", "triton", "flashinfer", "aiter")
+
+
+def select_backend(device: torch.device, name: str | None = None, head_dim: int | None = None) -> AttentionBackend:
+    """The attention backend for ``device``: ``name``, else ``auto``: the first of ``auto_candidates(device)`` that runs there, each
+    fallback logged. An explicitly named backend that cannot run is a one-line
+    error, never a silent fallback."""
+    name = name or "auto"
+    if name not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, not {name!r}")
+    device = torch.device(device)
+    if name == "auto":
+        backend = first_that_runs(auto_candidates(device), device, head_dim)
+    else:
+        backend = load_backend(name, device, head_dim)
+    log.info("attention.backend", backend=backend.name, requested=name, device=str(device))
+    return backend
+
+
+def first_that_runs(candidates: tuple[str, ...], device: torch.device, head_dim: int | None) -> AttentionBackend:
+    """The first candidate that loads on ``device``, each one that does not logged; the last must load."""
+    *fallible, last = candidates
+    for candidate in fallible:
+        try:
+            return load_backend(candidate, device, head_dim)
+        except (ValueError, RuntimeError) as exc:
+            log.warning("attention.fallback", backend=candidate, reason=str(exc))
+    return load_backend(last, device, head_dim)
+
+
+def auto_candidates(device: torch.device) -> tuple[str, ...]:
+    """``auto``'s order, fastest first: the vendor library (aiter on ROCm, FlashInfer on CUDA), Triton, torch."""
+    if device.type == "cpu":
+        return ("cpu", "torch")
+    if device.type != "cuda":
+        return ("torch",)
+    return ("aiter" if torch.version.hip else "flashinfer", "triton", "torch")
+
+
+def load_backend(name: str, device: torch.device, head_dim: int | None = None) -> AttentionBackend:
+    """Backend ``name`` on ``device``; ValueError if it cannot run there, RuntimeError if it is not installed."""
+    if name == "torch":
+        return TorchPagedAttention()
+    if name in ("cpu", "cpu_paged"):
+        if device.type != "cpu":
+            raise ValueError(f"attention_backend {name!r} runs on the CPU, not on {device}")
+        if (error := kernels.load_cpu_kernels()) is not None:
+            raise RuntimeError(f"attention_backend {name!r} is unavailable: {error}")
+        return CpuPagedAttention(paged_prefill=name == "cpu_paged")
+    if name == "triton":
+        if (error := triton_unavailable(device, head_dim)) is not None:
+            raise ValueError(f"attention_backend 'triton' cannot run: {error}")
+        from atom_anyio.models.attention.triton import TritonPagedAttention
+
+        return TritonPagedAttention()
+    from atom_anyio.models.attention import vendor
+
+    return vendor.load(name, device, head_dim)
+
+
+def triton_unavailable(device: torch.device, head_dim: int | None) -> str | None:
+    """Why the Triton kernel cannot run on ``device`` (or for ``head_dim``), or None."""
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    if head_dim is not None and not 1 <= head_dim <= 256:
+        return f"head_dim {head_dim} is outside 1..256"
+    if device.type == "cpu":
+        return None if triton_interpreted() else "on the CPU it runs only under TRITON_INTERPRET=1"
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return f"it needs a CUDA or ROCm GPU, and {device} is not one"
+    return None

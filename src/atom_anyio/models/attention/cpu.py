@@ -1,0 +1,52 @@
+"""The ``cpu`` and ``cpu_paged`` backends: decodes (and with ``cpu_paged`` prefill
+chunks too) through the C++ kernel of ``kernels/csrc/paged_attention.cpp``."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from atom_anyio.models.attention.metadata import AttentionMetadata
+from atom_anyio.models.ops import CpuOps
+
+
+class CpuPagedAttention:
+    """Decodes through the C++ kernel, reading the paged KV in place (split over the keys
+    when there are few sequences); prefill chunks through ``PrefillChunk.attend``, or with
+    ``paged_prefill`` through the kernel too, in the same call as the decodes."""
+
+    ops = CpuOps
+
+    def __init__(self, paged_prefill: bool = False):
+        self.paged_prefill = paged_prefill
+        self.name = "cpu_paged" if paged_prefill else "cpu"
+
+    def runs_in_kernel(self, meta: AttentionMetadata) -> bool:
+        """Whether the kernel runs the whole step (what the fused decoder, which has only the kernel, can match)."""
+        return self.paged_prefill or meta.num_decode == meta.num_seqs
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, *, sliding_window=None, sinks=None):
+        meta.store_kv(k, v, k_cache, v_cache)
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        in_kernel = meta.num_seqs if self.runs_in_kernel(meta) else meta.num_decode
+        if in_kernel:
+            rows = q.shape[0] if in_kernel == meta.num_seqs else in_kernel  # decodes: one row each
+            torch.ops.atom.paged_attention(
+                out[:rows],
+                q[:rows],
+                k_cache,
+                v_cache,
+                meta.block_tables[:in_kernel],
+                meta.seq_lens[:in_kernel],
+                meta.query_start_loc[: in_kernel + 1],
+                meta.block_size,
+                1.0 / math.sqrt(q.shape[-1]),
+                sliding_window or 0,
+                None if sinks is None else sinks.float().contiguous(),
+            )
+        if in_kernel < meta.num_seqs:
+            for chunk in meta.prefill_chunks():
+                out[chunk.begin : chunk.end] = chunk.attend(q, k, v, k_cache, v_cache, sliding_window, sinks)
+        return out
