@@ -24,9 +24,9 @@ from agentic import write_tiny_model
 from machine import machine
 from words import WORDS
 
-from atom_anyio.engine.config import EngineConfig
+from atom_anyio.engine.core import Engine
+from atom_anyio.engine.engine_config import EngineConfig
 from atom_anyio.engine.grammar import Constraint, Grammars
-from atom_anyio.engine.loop import Engine
 from atom_anyio.engine.request import EngineRequest
 from atom_anyio.models.loader import LoadedModel, load_model
 from atom_anyio.sampling_params import SamplingParams, StructuredOutputs

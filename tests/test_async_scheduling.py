@@ -19,9 +19,9 @@ from support import WORDS, ScriptedSampler, serving_app
 from atom_anyio import LLM
 from atom_anyio.cli import build_parser
 from atom_anyio.config import Config
-from atom_anyio.engine.config import EngineConfig
+from atom_anyio.engine.core import Engine
+from atom_anyio.engine.engine_config import EngineConfig
 from atom_anyio.engine.grammar import Constraint, Grammars
-from atom_anyio.engine.loop import Engine
 from atom_anyio.engine.request import EngineRequest
 from atom_anyio.engine.scheduler import runs_ahead
 from atom_anyio.engine.sequence import Sequence

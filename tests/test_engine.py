@@ -15,8 +15,8 @@ from support import WORDS
 from atom_anyio import LLM, SamplingParams
 from atom_anyio.engine.block_hash import block_hash_chain
 from atom_anyio.engine.block_manager import BlockManager
-from atom_anyio.engine.config import EngineConfig
-from atom_anyio.engine.loop import Engine
+from atom_anyio.engine.core import Engine
+from atom_anyio.engine.engine_config import EngineConfig
 from atom_anyio.engine.request import EngineRequest
 from atom_anyio.engine.sequence import Sequence
 from atom_anyio.models.loader import load_model

@@ -15,7 +15,7 @@ from test_quant import tiny_wide_ggufs
 from atom_anyio import LLM, SamplingParams, kernels
 from atom_anyio.models import fused
 from atom_anyio.models.attention import AttentionMetadata, CpuPagedAttention, TorchPagedAttention
-from atom_anyio.models.llama import FULL, SLIDING, LlamaForCausalLM, ModelConfig
+from atom_anyio.models.decoder import FULL, SLIDING, LlamaForCausalLM, ModelConfig
 from atom_anyio.models.loader import load_model
 from atom_anyio.models.moe import MoeConfig
 

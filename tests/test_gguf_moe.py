@@ -19,7 +19,7 @@ from test_models import byte_level_tokenizer_metadata, gguf_name, llama_cpp_perm
 from test_models_arch import greedy, hf_greedy, prompt_tokens
 
 from atom_anyio import LLM, kernels
-from atom_anyio.models.llama import FULL, SLIDING
+from atom_anyio.models.decoder import FULL, SLIDING
 from atom_anyio.models.loader import GGUF_ARCHITECTURES, load_model
 from atom_anyio.models.moe import MoeConfig
 from atom_anyio.models.quant import QuantEmbedding, QuantLinear

@@ -40,8 +40,8 @@ from atom_anyio.api import limits
 from atom_anyio.api.app import AtomApp
 from atom_anyio.cli import serve as cli_serve
 from atom_anyio.config import Config
-from atom_anyio.engine.config import EngineConfig
-from atom_anyio.engine.loop import Engine
+from atom_anyio.engine.core import Engine
+from atom_anyio.engine.engine_config import EngineConfig
 from atom_anyio.engine.request import EngineRequest
 from atom_anyio.engine.sampler import Sampler
 from atom_anyio.engine.sequence import num_alive

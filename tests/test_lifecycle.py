@@ -13,8 +13,8 @@ from support import FailingSampler, free_port, wait_healthy, wait_until
 from atom_anyio.api.app import AtomApp
 from atom_anyio.cli import serve
 from atom_anyio.config import Config
-from atom_anyio.engine.config import EngineConfig
-from atom_anyio.engine.loop import Engine
+from atom_anyio.engine.core import Engine
+from atom_anyio.engine.engine_config import EngineConfig
 from atom_anyio.engine.request import EngineRequest
 from atom_anyio.engine.sampler import Sampler
 from atom_anyio.sampling_params import SamplingParams

@@ -20,7 +20,7 @@ from gguf.quants import dequantize, quantize
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from atom_anyio.models.attention import AttentionMetadata
-from atom_anyio.models.llama import pack_weights
+from atom_anyio.models.decoder import pack_weights
 from atom_anyio.models.loader import GGUF_ARCHITECTURES, build_model, load_gguf_weights, load_model
 
 VOCAB = 256

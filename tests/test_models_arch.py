@@ -18,7 +18,7 @@ import transformers
 
 from atom_anyio import LLM, SamplingParams
 from atom_anyio.models.attention import AttentionMetadata, TorchPagedAttention
-from atom_anyio.models.llama import ARCHITECTURES
+from atom_anyio.models.decoder import ARCHITECTURES
 from atom_anyio.models.loader import load_model
 from atom_anyio.models.moe import Experts, MoeConfig, Router, SparseMoeBlock
 from atom_anyio.models.ops import TorchOps

@@ -505,7 +505,7 @@ def test_logs_plot_writes_a_png(known_log, tmp_path, capsys):
 
 ARENA_PROBE = """
 import ctypes, sys, tempfile, threading
-from atom_anyio.obs.runtime import limit_malloc_arenas
+from atom_anyio.obs.loop_health import limit_malloc_arenas
 limited = limit_malloc_arenas(int(sys.argv[1]))
 start = threading.Barrier(8)
 

@@ -18,8 +18,8 @@ from support import clean_env, free_port, running, serving_app
 from atom_anyio.api.runtime import model_id
 from atom_anyio.cli import build_parser
 from atom_anyio.config import Config, all_settings
-from atom_anyio.engine.config import EngineConfig
-from atom_anyio.engine.loop import Engine
+from atom_anyio.engine.core import Engine
+from atom_anyio.engine.engine_config import EngineConfig
 from atom_anyio.engine.request import EngineRequest
 from atom_anyio.sampling_params import SamplingParams
 from atom_anyio.settings import ConfigError, setting_name

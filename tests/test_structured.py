@@ -21,9 +21,9 @@ from support import scripted, served_over_http, serving_app
 
 from atom_anyio.api.app import AtomApp
 from atom_anyio.config import Config
-from atom_anyio.engine.config import EngineConfig
+from atom_anyio.engine.core import Engine
+from atom_anyio.engine.engine_config import EngineConfig
 from atom_anyio.engine.grammar import Constraint, Grammars
-from atom_anyio.engine.loop import Engine
 from atom_anyio.engine.request import EngineRequest
 from atom_anyio.parse.tool_calls import ToolParser
 from atom_anyio.parse.tool_grammar import forced_tool_calls_tag

@@ -59,7 +59,7 @@ def offline(model, **kwargs) -> Iterator[LLM]:
 
 def ranks_of(pid: int) -> list[psutil.Process]:
     procs = psutil.Process(pid).children(recursive=True)
-    return [p for p in procs if "atom_anyio.engine.ranks" in " ".join(p.cmdline())]
+    return [p for p in procs if "atom_anyio.engine.tp_workers" in " ".join(p.cmdline())]
 
 
 def assert_all_gone(procs: list[psutil.Process]) -> None:

@@ -191,7 +191,7 @@ def test_triton_on_the_cpu_without_the_interpreter_is_refused(monkeypatch):
 
 def test_gpu_memory_utilization_comes_from_the_environment_or_the_flag_and_is_checked():
     from atom_anyio.cli import build_parser
-    from atom_anyio.engine.config import EngineConfig
+    from atom_anyio.engine.engine_config import EngineConfig
 
     assert Config.from_env({"ATOM_GPU_MEMORY_UTILIZATION": "0.5"}).engine.gpu_memory_utilization == 0.5
     args = build_parser().parse_args(["serve", "--gpu-memory-utilization", "0.7", "--device", "cuda:1"])

@@ -15,7 +15,7 @@ from typing import Any
 
 import structlog
 
-from atom_anyio.engine.config import EngineConfig
+from atom_anyio.engine.engine_config import EngineConfig
 from atom_anyio.models.attention import BACKENDS
 from atom_anyio.models.loader import DTYPES, GGUF_WEIGHTS
 from atom_anyio.parse import ParserSpec

@@ -14,8 +14,8 @@ from typing import Any
 import anyio
 
 from atom_anyio.config import env_setting
-from atom_anyio.engine.config import EngineConfig
-from atom_anyio.engine.loop import Engine
+from atom_anyio.engine.core import Engine
+from atom_anyio.engine.engine_config import EngineConfig
 from atom_anyio.engine.stream import Delta, Logprob, collect
 from atom_anyio.models.loader import LoadedModel, load_model
 from atom_anyio.obs.logging import log_to_stderr_by_default

@@ -29,13 +29,13 @@ from atom_anyio.api.http import sse_response
 from atom_anyio.api.response_store import ResponseStore
 from atom_anyio.api.tracker import Admission, RequestTracker, request_id
 from atom_anyio.config import Config
+from atom_anyio.engine.core import Engine, EngineStopped
 from atom_anyio.engine.grammar import Constraint, GrammarError, Grammars
-from atom_anyio.engine.loop import Engine, EngineStopped
 from atom_anyio.engine.request import EngineRequest, ReasoningBudget
 from atom_anyio.engine.stream import DeltaStream
 from atom_anyio.models.loader import LoadedModel, load_model
+from atom_anyio.obs.loop_health import GCTimer, freeze_heap, limit_malloc_arenas, monitor_loop_lag, thaw_heap
 from atom_anyio.obs.metrics import Metrics
-from atom_anyio.obs.runtime import GCTimer, freeze_heap, limit_malloc_arenas, monitor_loop_lag, thaw_heap
 from atom_anyio.parse import ParserSpec
 from atom_anyio.parse.reasoning import opens_reasoning
 from atom_anyio.prompt.prepare import (

@@ -19,7 +19,7 @@ import structlog
 import torch
 
 from atom_anyio.models.attention import AttentionMetadata
-from atom_anyio.models.llama import LlamaForCausalLM
+from atom_anyio.models.decoder import LlamaForCausalLM
 
 log = structlog.get_logger("atom_anyio.engine")
 

@@ -20,13 +20,13 @@ from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from atom_anyio import kernels
-from atom_anyio.engine.config import EngineConfig
 from atom_anyio.engine.cuda_graphs import DecodeGraphs
+from atom_anyio.engine.engine_config import EngineConfig
 from atom_anyio.engine.grammar import accept_tokens, apply_masks
 from atom_anyio.engine.sampler import INVALID_TOKEN, MIN_LOGPROB, Sampler, SamplingInputs
 from atom_anyio.engine.stream import Logprob
 from atom_anyio.models.attention import AttentionMetadata, stage
-from atom_anyio.models.llama import LlamaForCausalLM
+from atom_anyio.models.decoder import LlamaForCausalLM
 from atom_anyio.models.ops import CpuOps
 
 

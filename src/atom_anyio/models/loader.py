@@ -32,7 +32,7 @@ from atom_anyio import kernels
 from atom_anyio.generation_defaults import BUNDLED_MODEL_DEFAULTS, from_generation_config, from_gguf_metadata
 from atom_anyio.models import quant
 from atom_anyio.models.attention import select_backend
-from atom_anyio.models.llama import FULL, SLIDING, LlamaForCausalLM, ModelConfig, pack_weights
+from atom_anyio.models.decoder import FULL, SLIDING, LlamaForCausalLM, ModelConfig, pack_weights
 from atom_anyio.models.moe import MoeConfig, stack_experts
 from atom_anyio.models.ops import CpuOps, can_pack_bf16, pack_bf16_linears
 from atom_anyio.models.rope import rope_inv_freq
@@ -87,7 +87,7 @@ StateDict = dict[str, torch.Tensor]
 
 @dataclass(frozen=True)
 class ModelSource:
-    """How a model was loaded: what another rank loads its own shard from (engine/ranks.py)."""
+    """How a model was loaded: what another rank loads its own shard from (engine/tp_workers.py)."""
 
     path: str
     dtype: torch.dtype | str

@@ -30,7 +30,7 @@ from atom_anyio.models.quant import BLOCK_SIZE, BLOCKS, QuantizedWeight
 
 
 class ModelShape(Protocol):
-    """What the split reads of a model's config: models/llama.py's ``ModelConfig``, a frozen
+    """What the split reads of a model's config: models/decoder.py's ``ModelConfig``, a frozen
     dataclass (named structurally here, so the model and its split import one way only)."""
 
     vocab_size: int

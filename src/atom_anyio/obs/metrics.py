@@ -16,7 +16,7 @@ from prometheus_client.registry import Collector
 from atom_anyio.engine.sequence import num_alive
 
 if TYPE_CHECKING:
-    from atom_anyio.engine.loop import Engine
+    from atom_anyio.engine.core import Engine
 
 disable_created_metrics()  # no *_created series: a fixed set of lines per metric
 

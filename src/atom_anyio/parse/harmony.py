@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import re
 
-from atom_anyio.parse.calls import ToolCall, ToolCallDelta, new_call_id
+from atom_anyio.parse.call_body import ToolCall, ToolCallDelta, new_call_id
 from atom_anyio.parse.reasoning import partial_tag_len
 
 MESSAGE = "<|message|>"

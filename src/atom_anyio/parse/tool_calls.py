@@ -7,7 +7,7 @@ JSON when it closes, unclosed at the end) comes back as content, never as an exc
 
 from __future__ import annotations
 
-from atom_anyio.parse.calls import JsonCall, ToolCall, ToolCallDelta, XmlCall
+from atom_anyio.parse.call_body import JsonCall, ToolCall, ToolCallDelta, XmlCall
 from atom_anyio.parse.reasoning import partial_tag_len
 
 __all__ = ["ToolCall", "ToolCallDelta", "ToolParser", "detect_tool_format", "TOOL_CALL_PARSERS"]

@@ -28,14 +28,14 @@ import structlog
 from anyio.abc import TaskStatus
 
 from atom_anyio.engine.block_manager import BlockManager
-from atom_anyio.engine.config import EngineConfig
 from atom_anyio.engine.detokenizer import IncrementalDetokenizer
-from atom_anyio.engine.ranks import TensorParallelWorker
+from atom_anyio.engine.engine_config import EngineConfig
 from atom_anyio.engine.request import EngineRequest
 from atom_anyio.engine.sampler import SamplingInputs
 from atom_anyio.engine.scheduler import ScheduledBatch, Scheduler
 from atom_anyio.engine.sequence import Sequence, Status
 from atom_anyio.engine.stream import Delta, DeltaStream, Logprob
+from atom_anyio.engine.tp_workers import TensorParallelWorker
 from atom_anyio.engine.worker import PromptRows, StepInput, StepOutput, Worker, kv_bytes_per_token, kv_pool_bytes
 from atom_anyio.models.loader import LoadedModel
 from atom_anyio.obs.kv_events import KVEventPublisher

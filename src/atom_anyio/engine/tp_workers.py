@@ -1,5 +1,5 @@
 """Tensor parallelism's processes: rank 0 is the engine's own worker, ranks 1..N-1 are
-``python -m atom_anyio.engine.ranks`` processes it starts and owns, each with its shard of
+``python -m atom_anyio.engine.tp_workers`` processes it starts and owns, each with its shard of
 the model and of the KV pool (models/tensor_parallel.py).
 
     start: rank 0 starts each rank -> the rank loads its shard and answers ready (or its error)
@@ -35,7 +35,7 @@ from multiprocessing.connection import Connection
 import torch
 import torch.distributed as dist
 
-from atom_anyio.engine.config import EngineConfig
+from atom_anyio.engine.engine_config import EngineConfig
 from atom_anyio.engine.worker import StepInput, Worker, WorkerFailed
 from atom_anyio.models.loader import LoadedModel, ModelSource, load_model
 
@@ -123,7 +123,7 @@ class Rank:
     @classmethod
     def start(cls, spec: RankSpec) -> Rank:
         ours, theirs = socket.socketpair()
-        cmd = [sys.executable, "-m", "atom_anyio.engine.ranks", str(theirs.fileno()), str(os.getpid())]
+        cmd = [sys.executable, "-m", "atom_anyio.engine.tp_workers", str(theirs.fileno()), str(os.getpid())]
         process = subprocess.Popen(cmd, pass_fds=[theirs.fileno()])
         theirs.close()
         conn = Connection(ours.detach())
