@@ -1,6 +1,6 @@
 """Helpers the test modules share: ports, bounded polling, an in-process
-hypercorn, the server as a subprocess, and the one fake (a scripted sampler
-at the model boundary)."""
+hypercorn, the server as a subprocess, the one fake (a scripted sampler at
+the model boundary), and the one table of tiny model families."""
 
 from __future__ import annotations
 
@@ -250,6 +250,146 @@ def write_tiny_llama(path, tokenizer_gguf: str, seed: int = 0, **config: object)
     )
     load_gguf_tokenizer(tokenizer_gguf).save_pretrained(path)
     return path
+
+
+# tiny model families: the one table test_models, test_models_arch and test_gguf_moe select from
+
+# the dense families of test_models (each family sets its own KV heads)
+TINY_SIZES = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+# the architectures of test_models_arch: three layers, so windowed and full or dense and sparse layers mix
+TINY_ARCH_SIZES = {
+    **TINY_SIZES,
+    "intermediate_size": 96,
+    "num_hidden_layers": 3,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "initializer_range": 0.2,
+}
+BYTE_LEVEL_VOCAB = dict(vocab_size=262)  # test_models.byte_level_tokenizer_metadata's vocabulary
+# the MoE GGUFs of test_gguf_moe: the byte-level GGUF tokenizer's vocabulary, two layers
+TINY_GGUF_MOE_SIZES = {**TINY_ARCH_SIZES, **BYTE_LEVEL_VOCAB, "num_hidden_layers": 2}
+TINY_WINDOW = 7
+TINY_YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16)
+TINY_FAMILIES: dict[str, tuple[type, dict]] = {
+    # test_models, on TINY_SIZES
+    # grouped-query attention (2 KV heads of 4), an untied head, plain RoPE
+    "llama": (transformers.LlamaConfig, dict(num_key_value_heads=2)),
+    # Llama 3 rope scaling
+    "llama3-rope": (
+        transformers.LlamaConfig,
+        dict(
+            num_key_value_heads=2,
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=10000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=16,  # wavelengths fall in all three llama3 bands
+            ),
+        ),
+    ),
+    # q/k/v biases, the head tied to the embedding
+    "qwen2": (transformers.Qwen2Config, dict(num_key_value_heads=2, tie_word_embeddings=True)),
+    # q/k norms, a head_dim (32) other than hidden_size / heads (16)
+    "qwen3": (transformers.Qwen3Config, dict(num_key_value_heads=2, head_dim=32)),
+    # one KV head for all four query heads, another RoPE base
+    "mistral": (transformers.MistralConfig, dict(num_key_value_heads=1, rope_parameters=dict(rope_theta=1e6))),
+    # test_models_arch, on TINY_ARCH_SIZES
+    # a sliding window on every layer
+    "mistral-window": (transformers.MistralConfig, dict(sliding_window=TINY_WINDOW)),
+    # layer 0 full, layers 1 and 2 windowed
+    "qwen2-window": (
+        transformers.Qwen2Config,
+        dict(use_sliding_window=True, sliding_window=TINY_WINDOW, max_window_layers=1),
+    ),
+    # YaRN with q/k norms and a wider head_dim
+    "qwen3-yarn": (transformers.Qwen3Config, dict(head_dim=32, rope_parameters=TINY_YARN)),
+    # YaRN with mscale and mscale_all_dim (the attention factor) and another beta_fast
+    "llama-yarn-mscale": (
+        transformers.LlamaConfig,
+        dict(rope_parameters={**TINY_YARN, "factor": 8.0, "mscale": 0.8, "mscale_all_dim": 0.5, "beta_fast": 16}),
+    ),
+    # layer 1 dense (mlp_only_layers), a window on every layer (Qwen3-MoE's rule)
+    "qwen3-moe": (
+        transformers.Qwen3MoeConfig,
+        dict(
+            head_dim=16,
+            num_experts=8,
+            num_experts_per_tok=3,
+            moe_intermediate_size=32,
+            mlp_only_layers=[1],
+            use_sliding_window=True,
+            sliding_window=TINY_WINDOW,
+        ),
+    ),
+    # every second layer sparse, top-k renormalised, YaRN
+    "qwen3-moe-norm-yarn": (
+        transformers.Qwen3MoeConfig,
+        dict(
+            head_dim=16,
+            num_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            decoder_sparse_step=2,
+            rope_parameters=TINY_YARN,
+        ),
+    ),
+    # top 2 of 4 experts on every layer, a window on every layer
+    "mixtral": (
+        transformers.MixtralConfig,
+        dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=TINY_WINDOW),
+    ),
+    # sinks, windowed and full layers alternating, YaRN without truncation, biased experts and clamped SwiGLU
+    "gpt-oss": (
+        transformers.GptOssConfig,
+        dict(
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=TINY_WINDOW,
+            swiglu_limit=1.0,  # the clamps bind at this scale
+            rope_parameters={**TINY_YARN, "rope_theta": 150000.0, "truncate": False, "beta_fast": 8.0},
+        ),
+    ),
+    # test_gguf_moe, on TINY_GGUF_MOE_SIZES, as llama.cpp runs them: every layer routed;
+    # Qwen3-MoE and Mixtral renormalise the top k and have no window
+    # top 3 of 8 experts renormalised, q/k norms
+    "qwen3moe-gguf": (
+        transformers.Qwen3MoeConfig,
+        dict(head_dim=16, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True),
+    ),
+    # top 2 of 4 experts, written as GGUF ``llama`` with experts (q/k rows permuted)
+    "mixtral-gguf": (
+        transformers.MixtralConfig,
+        dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+    ),
+    # windowed and full layers alternating, sinks, biases; YaRN as a GGUF carries it (llama.cpp truncates)
+    "gpt-oss-gguf": (
+        transformers.GptOssConfig,
+        dict(
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=TINY_WINDOW,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=150000.0,
+                factor=4.0,
+                original_max_position_embeddings=16,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                truncate=True,
+            ),
+        ),
+    ),
+}
+
+
+def tiny_families(*names: str) -> dict[str, tuple[type, dict]]:
+    """The named families of ``TINY_FAMILIES``, in that order (a module's parametrized ids)."""
+    return {name: TINY_FAMILIES[name] for name in names}
 
 
 # what `auto` picks on some CPU, each forced: (dtype, gguf_weights). The suite runs every one on

@@ -62,9 +62,10 @@ def anyio_backend() -> str:
 
 @pytest.mark.anyio
 async def test_default_server_answers_long_prompts_and_stays_healthy(smollm2_path):
-    """The report, at this machine's defaults: three uncached 1,500-word messages with max_tokens 1,
-    then a short one; each answers 200 (each was a 500, then 503 engine_dead for everyone)."""
-    messages = [(" ".join(f"{word}{i}" for i in range(1500)), 1) for word in ("item", "entry", "part")]
+    """The report, at this machine's defaults: three uncached messages of 800 words (about 3,400
+    tokens, two prefill chunks) with max_tokens 1, then a short one; each answers 200 (each was a
+    500, then 503 engine_dead for everyone)."""
+    messages = [(" ".join(f"{word}{i}" for i in range(800)), 1) for word in ("item", "entry", "part")]
     async with serving_app(load_model(None, "auto")) as atom:  # what the server loads at its defaults
         client = atom.quart.test_client()
         for content, max_tokens in [*messages, ("Hi", 2)]:

@@ -15,6 +15,7 @@ import pytest
 import torch
 import transformers
 from gguf.quants import dequantize, quantize
+from support import TINY_FAMILIES, TINY_GGUF_MOE_SIZES
 from test_models import byte_level_tokenizer_metadata, gguf_name, llama_cpp_permute, write_shape_metadata
 from test_models_arch import greedy, hf_greedy, prompt_tokens
 
@@ -25,44 +26,9 @@ from atom_anyio.models.moe import MoeConfig
 from atom_anyio.models.quant import QuantEmbedding, QuantLinear
 
 Q = gguf.GGMLQuantizationType
-SIZES = dict(
-    vocab_size=262,  # byte_level_tokenizer_metadata's vocabulary
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    initializer_range=0.2,
-)
-# as llama.cpp runs them: every layer routed; Qwen3-MoE and Mixtral renormalise the top k and have no window
-FAMILIES = {
-    "qwen3moe": (
-        transformers.Qwen3MoeConfig,
-        dict(head_dim=16, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True),
-    ),
-    "mixtral": (transformers.MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
-    # windowed and full layers alternating, sinks, biases; YaRN as a GGUF carries it (llama.cpp truncates)
-    "gpt-oss": (
-        transformers.GptOssConfig,
-        dict(
-            head_dim=16,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-            sliding_window=7,
-            rope_parameters=dict(
-                rope_type="yarn",
-                rope_theta=150000.0,
-                factor=4.0,
-                original_max_position_embeddings=16,
-                beta_fast=32.0,
-                beta_slow=1.0,
-                truncate=True,
-            ),
-        ),
-    ),
-}
+SIZES = TINY_GGUF_MOE_SIZES
 ARCH = {"qwen3moe": "qwen3moe", "mixtral": "llama", "gpt-oss": "gpt-oss"}  # what llama.cpp's converter writes
+FAMILIES = {name: TINY_FAMILIES[f"{name}-gguf"] for name in ARCH}
 PROMPTS = [prompt_tokens(23, seed=21), prompt_tokens(9, seed=22), prompt_tokens(31, seed=23)]
 ENGINE = dict(max_model_len=128, block_size=4, enable_prefix_caching=False)
 

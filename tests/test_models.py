@@ -17,34 +17,16 @@ import safetensors.torch
 import torch
 import transformers
 from gguf.quants import dequantize, quantize
+from support import BYTE_LEVEL_VOCAB, TINY_SIZES, tiny_families
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from atom_anyio.models.attention import AttentionMetadata
 from atom_anyio.models.decoder import pack_weights
 from atom_anyio.models.loader import GGUF_ARCHITECTURES, build_model, load_gguf_weights, load_model
 
-VOCAB = 256
-SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
-FAMILIES = {
-    "llama": (transformers.LlamaConfig, dict(num_key_value_heads=2)),
-    "llama3-rope": (
-        transformers.LlamaConfig,
-        dict(
-            num_key_value_heads=2,
-            rope_parameters=dict(
-                rope_type="llama3",
-                rope_theta=10000.0,
-                factor=8.0,
-                low_freq_factor=1.0,
-                high_freq_factor=4.0,
-                original_max_position_embeddings=16,  # wavelengths fall in all three llama3 bands
-            ),
-        ),
-    ),
-    "qwen2": (transformers.Qwen2Config, dict(num_key_value_heads=2, tie_word_embeddings=True)),
-    "qwen3": (transformers.Qwen3Config, dict(num_key_value_heads=2, head_dim=32)),
-    "mistral": (transformers.MistralConfig, dict(num_key_value_heads=1, rope_parameters=dict(rope_theta=1e6))),
-}
+SIZES = TINY_SIZES  # test_quant imports it
+VOCAB = SIZES["vocab_size"]
+FAMILIES = tiny_families("llama", "llama3-rope", "qwen2", "qwen3", "mistral")
 
 
 def random_hf_model(family: str) -> transformers.PreTrainedModel:
@@ -374,7 +356,7 @@ def test_gguf_with_tokenizer_loads_and_caches_its_tokenizer(tmp_path, monkeypatc
         return from_pretrained(*args, **kwargs)
 
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", staticmethod(spy))
-    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**SIZES, "vocab_size": 262}))
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**SIZES, **BYTE_LEVEL_VOCAB}))
     path = tmp_path / "tiny-chat.gguf"
     write_gguf(path, "llama", hf, "Q8_0", metadata=[byte_level_tokenizer_metadata])
 

@@ -15,6 +15,7 @@ import shutil
 import pytest
 import torch
 import transformers
+from support import TINY_ARCH_SIZES, tiny_families
 
 from atom_anyio import LLM, SamplingParams
 from atom_anyio.models.attention import AttentionMetadata, TorchPagedAttention
@@ -23,72 +24,19 @@ from atom_anyio.models.loader import load_model
 from atom_anyio.models.moe import Experts, MoeConfig, Router, SparseMoeBlock
 from atom_anyio.models.ops import TorchOps
 
-VOCAB = 256
 MAX_TOKENS = 10
-SIZES = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    initializer_range=0.2,
+SIZES = TINY_ARCH_SIZES
+VOCAB = SIZES["vocab_size"]
+FAMILIES = tiny_families(
+    "mistral-window",
+    "qwen2-window",
+    "qwen3-yarn",
+    "llama-yarn-mscale",
+    "qwen3-moe",
+    "qwen3-moe-norm-yarn",
+    "mixtral",
+    "gpt-oss",
 )
-WINDOW = 7
-YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16)
-FAMILIES = {
-    "mistral-window": (transformers.MistralConfig, dict(sliding_window=WINDOW)),
-    # layer 0 full, layers 1 and 2 windowed
-    "qwen2-window": (
-        transformers.Qwen2Config,
-        dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
-    ),
-    "qwen3-yarn": (transformers.Qwen3Config, dict(head_dim=32, rope_parameters=YARN)),
-    "llama-yarn-mscale": (
-        transformers.LlamaConfig,
-        dict(rope_parameters={**YARN, "factor": 8.0, "mscale": 0.8, "mscale_all_dim": 0.5, "beta_fast": 16}),
-    ),
-    # layer 1 dense (mlp_only_layers), a window on every layer (Qwen3-MoE's rule)
-    "qwen3-moe": (
-        transformers.Qwen3MoeConfig,
-        dict(
-            head_dim=16,
-            num_experts=8,
-            num_experts_per_tok=3,
-            moe_intermediate_size=32,
-            mlp_only_layers=[1],
-            use_sliding_window=True,
-            sliding_window=WINDOW,
-        ),
-    ),
-    # every second layer sparse, top-k renormalised, YaRN
-    "qwen3-moe-norm-yarn": (
-        transformers.Qwen3MoeConfig,
-        dict(
-            head_dim=16,
-            num_experts=6,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            norm_topk_prob=True,
-            decoder_sparse_step=2,
-            rope_parameters=YARN,
-        ),
-    ),
-    "mixtral": (transformers.MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW)),
-    # sinks, windowed and full layers alternating, YaRN without truncation, biased experts and clamped SwiGLU
-    "gpt-oss": (
-        transformers.GptOssConfig,
-        dict(
-            head_dim=16,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-            sliding_window=WINDOW,
-            swiglu_limit=1.0,  # the clamps bind at this scale
-            rope_parameters={**YARN, "rope_theta": 150000.0, "truncate": False, "beta_fast": 8.0},
-        ),
-    ),
-}
 BACKENDS = ["torch", "cpu"]
 
 
