@@ -272,13 +272,15 @@ def test_packed_gguf_stays_quantized_and_float32_dequantizes(tiny_chat_gguf, qty
 
 
 def test_auto_keeps_blocks_and_adds_a_dense_copy_where_activations_are_bfloat16(tiny_chat_gguf):
-    """auto on this CPU: bfloat16 and a dense copy beside the blocks where it has native bfloat16,
-    float32 and the blocks alone elsewhere; ``both`` forces the copy, with the same bits."""
+    """auto on this CPU: bfloat16 and a dense copy beside the blocks where it has native bfloat16
+    (on the cpu backend packed for oneDNN in its place), float32 and the blocks alone elsewhere;
+    ``both`` forces the copy, with the same bits."""
     auto = load_model(tiny_chat_gguf[Q.Q4_1], dtype="auto").model
-    gate_up = auto.model.layers[0].mlp.gate_up_proj.weight
-    assert isinstance(gate_up, QuantizedWeight)
-    assert (gate_up.dense is not None) == kernels.has_native_bf16()
-    both = load_model(tiny_chat_gguf[Q.Q4_1], dtype="bfloat16", gguf_weights="both").model
+    layer = auto.model.layers[0].mlp.gate_up_proj
+    assert isinstance(layer.weight, QuantizedWeight)
+    gemm_copy = layer.weight.dense is not None or getattr(layer, "packed_weight", None) is not None
+    assert gemm_copy == kernels.has_native_bf16()
+    both = load_model(tiny_chat_gguf[Q.Q4_1], dtype="bfloat16", gguf_weights="both", attention_backend="torch").model
     w = both.model.layers[0].mlp.gate_up_proj.weight
     assert w.dense.dtype == torch.bfloat16
     assert torch.equal(w.dense, replace(w, dense=None).dequantize())

@@ -134,12 +134,12 @@ GGUF_WEIGHTS = ("auto", "packed", "both", "dequantize")
 DENSE_COPY_SHARE = 0.25  # auto keeps dense copies while they take at most this share of the available memory
 
 
-def gguf_layout(gguf_weights: str, dtype: torch.dtype | str, device: torch.device) -> str:
+def gguf_layout(gguf_weights: str, dtype_is_auto: bool, dtype: torch.dtype, device: torch.device) -> str:
     """How a GGUF's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K layers are held: ``packed`` (the blocks; 1-4 rows
     through the GEMV, more through dequantized slices), ``both`` (the blocks and a dequantized
     copy, for batched GEMMs at the float GEMM's speed) or ``dequantize`` (float weights only).
-    ``auto`` keeps them packed on the CPU when ``dtype`` is auto (a named dtype dequantizes, as it
-    always has), and adds the copy where activations are bfloat16 (``dense_copy_fits`` decides
+    ``auto`` keeps them packed on the CPU when the dtype asked for was auto (a named dtype
+    dequantizes, as it always has), and adds the copy where ``dtype``, the resolved one, is bfloat16 (``dense_copy_fits`` decides
     once the size is known); the kernels that read blocks are CPU-only."""
     if gguf_weights not in GGUF_WEIGHTS:
         raise ValueError(f"gguf_weights must be one of {', '.join(GGUF_WEIGHTS)}, not {gguf_weights!r}")
@@ -147,9 +147,9 @@ def gguf_layout(gguf_weights: str, dtype: torch.dtype | str, device: torch.devic
         raise ValueError(f"gguf_weights {gguf_weights} runs on the CPU only, not on {device}")
     if gguf_weights != "auto":
         return gguf_weights
-    if dtype != "auto" or device.type != "cpu":
+    if not dtype_is_auto or device.type != "cpu":
         return "dequantize"
-    return "both" if resolve_dtype(dtype, device) == torch.bfloat16 else "packed"
+    return "both" if dtype == torch.bfloat16 else "packed"
 
 
 def dense_copy_fits(num_bytes: int) -> bool:
@@ -200,9 +200,9 @@ def load_model(
     path = os.fspath(path) if path else default_model_path()
     source = ModelSource(path, dtype, str(device), attention_backend, gguf_weights)
     device = torch.device(device)
-    layout = gguf_layout(gguf_weights, dtype, device)
-    keep_quantized = layout != "dequantize"
-    dtype = resolve_dtype(dtype, device)
+    resolved = resolve_dtype(dtype, device)
+    layout = gguf_layout(gguf_weights, dtype == "auto", resolved, device)
+    keep_quantized, dtype = layout != "dequantize", resolved
     if path.endswith(".gguf"):
         cfg, state, metadata = read_gguf(path, keep_quantized, dtype)
         if "tokenizer.ggml.model" not in metadata:
@@ -219,7 +219,8 @@ def load_model(
         raise FileNotFoundError(f"model path {path!r} is neither a Hugging Face model directory nor a .gguf file")
     tp = TensorParallel(cfg, rank, tensor_parallel_size)
     model = build_model(cfg, tp.shard_state(state), dtype, device, attention_backend, tp)
-    if layout == "both" and (gguf_weights == "both" or dense_copy_fits(quant.dense_bytes(model))):
+    dense_copies = layout == "both" and (gguf_weights == "both" or dense_copy_fits(quant.dense_bytes(model)))
+    if dense_copies:
         quant.add_dense_copies(model)
     packed_bytes = 0
     if model.attention_backend.ops is CpuOps and dtype == torch.bfloat16 and can_pack_bf16():
@@ -228,7 +229,7 @@ def load_model(
         "model.weights",
         dtype=str(dtype).removeprefix("torch."),
         weights=model.dtype_name,
-        dense_copies=any(m.weight.dense is not None for m in quant.quantized_modules(model)),
+        dense_copies=dense_copies,
         packed_mb=round(packed_bytes / 2**20, 1),
         requested=f"dtype={source.dtype} gguf_weights={gguf_weights}",
         cpu=kernels.cpu_model() if device.type == "cpu" else None,

@@ -6,6 +6,8 @@ with its attention backend at construction."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 
@@ -136,7 +138,10 @@ def pack_bf16_linears(model: torch.nn.Module) -> int:
     """Keep oneDNN's blocked layout of each bfloat16 linear weight (of a quantized layer, its dense
     copy) beside it as ``packed_weight``, which ``CpuOps.linear`` runs: a bfloat16 GEMM on a plain
     weight reorders the weight on every call, several times the GEMM itself at decode batch sizes
-    (docs/performance.md). Same bits as ``F.linear``. Returns the bytes the packed copies take."""
+    (docs/performance.md). Same bits as ``F.linear``. A quantized layer's dense copy is then
+    dropped (the packed one serves its GEMMs) unless an embedding looks its rows up too.
+    Returns the bytes the packed copies take."""
+    looked_up = {id(m.weight) for m in model.modules() if isinstance(m, quant.QuantEmbedding)}
     num_bytes = 0
     for m in model.modules():
         w = m.weight if isinstance(m, torch.nn.Linear | quant.QuantLinear) else None
@@ -144,4 +149,6 @@ def pack_bf16_linears(model: torch.nn.Module) -> int:
         if dense is not None and dense.dtype == torch.bfloat16 and dense.device.type == "cpu":
             m.packed_weight = torch.ops.mkldnn._reorder_linear_weight(dense.detach(), None)
             num_bytes += dense.nbytes
+            if isinstance(w, QuantizedWeight) and id(w) not in looked_up:
+                m.weight = replace(w, dense=None)
     return num_bytes
