@@ -21,6 +21,13 @@ namespace atom {
 
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
+// exp's constants (Cephes), for every vector width: the clamp, log2(e), ln(2) in two parts,
+// the degree-5 polynomial from the highest term down
+constexpr float EXP_MAX = 88.3762626647949f, EXP_LOG2E = 1.44269504088896341f;
+constexpr float EXP_LN2_HI = 0.693359375f, EXP_LN2_LO = -2.12194440e-4f;
+constexpr float EXP_POLY[6] = {1.9875691500E-4f, 1.3981999507E-3f, 8.3334519073E-3f,
+                               4.1665795894E-2f, 1.6666665459E-1f, 5.0000001201E-1f};
+
 // Eight floats: AVX2 where the compiler targets it, plain loops elsewhere.
 #if defined(__AVX2__) && defined(__FMA__)
 struct V8 {
@@ -60,20 +67,15 @@ inline V8 mask_below(V8 a, int first_kept_lane) {
 // exp: Cephes' range reduction and degree-5 polynomial (about 1 ulp); 0 below -88
 inline V8 exp(V8 a) {
   __m256 x = a.v;
-  const __m256 lo = _mm256_set1_ps(-88.3762626647949f);
+  const __m256 lo = _mm256_set1_ps(-EXP_MAX);
   __m256 tiny = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), lo);
-  __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(EXP_MAX)), lo);
+  __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(EXP_LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(EXP_LN2_HI), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(EXP_LN2_LO), x);
   __m256 z = _mm256_mul_ps(x, x);
-  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+  __m256 y = _mm256_set1_ps(EXP_POLY[0]);
+  for (int i = 1; i < 6; ++i) y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(EXP_POLY[i]));
   y = _mm256_fmadd_ps(y, z, _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
   __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
   return {_mm256_andnot_ps(tiny, _mm256_mul_ps(y, _mm256_castsi256_ps(e)))};
