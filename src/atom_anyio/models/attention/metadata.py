@@ -108,6 +108,13 @@ def stage(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     return x.pin_memory().to(device, non_blocking=True)
 
 
+def slots_of(tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The KV slots of ``positions`` through block tables ``[..., max_blocks]`` (a position past a
+    table's last block reads that block: padding, which the masks hide)."""
+    blocks = (positions // block_size).clamp(max=tables.shape[-1] - 1)
+    return tables[..., blocks] * block_size + positions % block_size
+
+
 @dataclass
 class PrefillChunk:
     """One sequence's prefill rows ``[begin, end)`` of the step, at positions ``start`` onwards;
@@ -126,8 +133,7 @@ class PrefillChunk:
         if start == 0:
             return cls(begin, end, 0, None)
         j = torch.arange(context, device=meta.block_tables.device)
-        table = table.to(meta.block_tables.device).long()
-        return cls(begin, end, start, table[j // meta.block_size] * meta.block_size + j % meta.block_size)
+        return cls(begin, end, start, slots_of(table.to(j.device).long(), j, meta.block_size))
 
     def mask(self, window: int | None) -> torch.Tensor | None:
         """``[Lq, Lk]`` True where a key is visible (bottom-right causal, and the window); None: plain causal."""
@@ -178,8 +184,7 @@ class GatherPlan:
 
         def kv_index(rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
             j = torch.arange(int(ctx[rows].max()), device=ctx.device)
-            t = tables[rows]
-            return t[:, (j // bs).clamp(max=t.shape[1] - 1)] * bs + j % bs, j
+            return slots_of(tables[rows], j, bs), j
 
         decode_kv_index = decode_mask = None
         if nd:
