@@ -33,7 +33,8 @@ from machine import machine
 
 from atom_anyio import LLM, SamplingParams
 from atom_anyio.engine.sampler import SamplingInputs
-from atom_anyio.engine.worker import StepInput, Worker, kv_bytes_per_token
+from atom_anyio.engine.step import StepInput
+from atom_anyio.engine.worker import Worker, kv_bytes_per_token
 from atom_anyio.models.attention import BACKENDS, load_backend
 from atom_anyio.models.decoder import ModelConfig
 from atom_anyio.models.loader import LoadedModel, build_model

@@ -31,12 +31,12 @@ from atom_anyio.engine.block_manager import BlockManager
 from atom_anyio.engine.detokenizer import IncrementalDetokenizer
 from atom_anyio.engine.engine_config import EngineConfig
 from atom_anyio.engine.request import EngineRequest
-from atom_anyio.engine.sampler import SamplingInputs
 from atom_anyio.engine.scheduler import ScheduledBatch, Scheduler
 from atom_anyio.engine.sequence import Sequence, Status
+from atom_anyio.engine.step import StepInput, StepOutput, build_step
 from atom_anyio.engine.stream import Delta, DeltaStream, Logprob
 from atom_anyio.engine.tp_workers import TensorParallelWorker
-from atom_anyio.engine.worker import PromptRows, StepInput, StepOutput, Worker, kv_bytes_per_token, kv_pool_bytes
+from atom_anyio.engine.worker import Worker, kv_bytes_per_token, kv_pool_bytes
 from atom_anyio.models.loader import LoadedModel
 from atom_anyio.obs.kv_events import KVEventPublisher
 
@@ -215,7 +215,7 @@ class Engine:
         if not batch.seqs:  # nothing fits right now (cannot happen with a sane pool): yield and retry
             await anyio.sleep(0)
             return
-        step = self._build_step(batch)
+        step = build_step(batch, self.eos_token_ids)
         t1 = time.perf_counter()
         await step_tx.send(step)
         result = await result_rx.receive()
@@ -245,7 +245,7 @@ class Engine:
         t0 = time.perf_counter()
         batch = self.scheduler.schedule() if self.scheduler.has_work else ScheduledBatch()
         if batch.seqs:
-            step = self._build_step(batch, in_flight[-1].sample_rows() if in_flight else {})
+            step = build_step(batch, self.eos_token_ids, in_flight[-1].sample_rows() if in_flight else {})
             # copies: scheduling the next step grows these tables while this step runs
             step.block_tables = [array("i", table) for table in step.block_tables]
             for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
@@ -297,53 +297,6 @@ class Engine:
         for seq in [*sched.running, *sched.waiting]:
             if seq.stream.is_abandoned:
                 self._retire(seq)
-
-    def _build_step(self, batch: ScheduledBatch, prev_rows: dict[int, int] | None = None) -> StepInput:
-        """``prev_rows`` (async scheduling): the step in flight's sample row of each sequence it samples."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        sample_rows: list[int] = []
-        sampled: list[Sequence] = []
-        context_lens = []
-        prompt_rows: list[PromptRows] = []
-        prev_tokens: list[tuple[int, int]] = []
-        for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens, strict=True)):
-            start = seq.num_computed_tokens + seq.num_scheduled_tokens
-            if seq.computes_prompt_logprobs and (rows := _prompt_rows(seq, row, len(input_ids), start, n)):
-                prompt_rows.append(rows)
-            input_ids += seq.token_ids[start : start + n]
-            if seq.num_placeholders:  # its last input is the token the step in flight samples
-                assert start + n == len(seq) + 1
-                prev_tokens.append((len(input_ids), prev_rows[seq.seq_id]))
-                input_ids.append(PLACEHOLDER_TOKEN)
-            positions += range(start, start + n)
-            context_lens.append(start + n)
-            if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = time.monotonic()
-            if start + n == len(seq) + seq.num_placeholders and seq.max_tokens > 0:
-                sample_rows.append(row)
-                sampled.append(seq)
-        sampling = SamplingInputs(
-            params=[s.params for s in sampled],
-            prompt_token_ids=[s.prompt_token_ids for s in sampled]
-            if any(s.params.repetition_penalty != 1.0 for s in sampled)
-            else [[] for _ in sampled],
-            output_token_ids=[_output_token_ids(s) for s in sampled],
-            seeds=[s.seed for s in sampled],
-            eos_token_ids=self.eos_token_ids,
-            matchers=[s.active_matcher for s in sampled] if any(s.matcher is not None for s in sampled) else [],
-        )
-        return StepInput(
-            input_ids=input_ids,
-            positions=positions,
-            block_tables=[s.block_table for s in batch.seqs],
-            context_lens=context_lens,
-            query_lens=batch.num_tokens,
-            sample_rows=sample_rows,
-            sampling=sampling,
-            prompt_rows=prompt_rows,
-            prev_tokens=prev_tokens,
-        )
 
     def _postprocess(self, batch: ScheduledBatch, step: StepInput, result: StepOutput) -> None:
         if result.error is not None:
@@ -503,17 +456,6 @@ def _crash_cause(exc: BaseException) -> BaseException:
     return exc
 
 
-PLACEHOLDER_TOKEN = 0  # async scheduling: an input the worker replaces with the previous step's token
-
-
-def _output_token_ids(seq: Sequence) -> list[int]:
-    """The generated tokens the sampler sees. A token still being sampled (async scheduling) is a
-    placeholder: only a row that ``runs_ahead`` has one, and of it the sampler reads just the count
-    (its seed's step, ``min_tokens``)."""
-    out = seq.output_token_ids
-    return out + [PLACEHOLDER_TOKEN] * seq.num_placeholders if seq.num_placeholders else out
-
-
 def _is_terminated(seq: Sequence) -> bool:
     return seq.active_matcher is not None and seq.active_matcher.is_terminated()
 
@@ -530,17 +472,6 @@ def _within_reasoning_budget(seq: Sequence, token: int, lp: Logprob | None) -> t
     if num_forced >= len(end) - 1 or [*seq.token_ids[len(seq.token_ids) - len(end) + 1 :], token] == list(end):
         seq.reasoning_budget = None
     return token, lp
-
-
-def _prompt_rows(seq: Sequence, row: int, flat_start: int, start: int, n: int) -> PromptRows | None:
-    """The rows of this chunk (positions ``start .. start + n - 1``) whose next prompt token's logprob
-    is not yet known: from the first missing one to the prompt's second last position."""
-    first = max(start, len(seq.prompt_logprobs) - 1)
-    end = min(start + n, seq.num_prompt_tokens - 1)
-    if first >= end:
-        return None
-    targets = seq.token_ids[first + 1 : end + 1]
-    return PromptRows(row, flat_start + first - start, targets, seq.num_prompt_logprobs)
 
 
 def _error_delta(seq: Sequence, error: str) -> Delta:

@@ -36,7 +36,8 @@ import torch
 import torch.distributed as dist
 
 from atom_anyio.engine.engine_config import EngineConfig
-from atom_anyio.engine.worker import StepInput, Worker, WorkerFailed
+from atom_anyio.engine.step import StepInput
+from atom_anyio.engine.worker import Worker, WorkerFailed
 from atom_anyio.models.loader import LoadedModel, ModelSource, load_model
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)  # a rank alive but not answering fails the step after it

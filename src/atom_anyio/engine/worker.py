@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import queue
 import time
-from array import array
-from dataclasses import dataclass, field
 
 import anyio
 import torch
@@ -23,47 +21,12 @@ from atom_anyio import kernels
 from atom_anyio.engine.cuda_graphs import DecodeGraphs
 from atom_anyio.engine.engine_config import EngineConfig
 from atom_anyio.engine.grammar import accept_tokens, apply_masks
-from atom_anyio.engine.sampler import INVALID_TOKEN, MIN_LOGPROB, Sampler, SamplingInputs
+from atom_anyio.engine.sampler import INVALID_TOKEN, MIN_LOGPROB, Sampler
+from atom_anyio.engine.step import PromptRows, StepInput, StepOutput
 from atom_anyio.engine.stream import Logprob
 from atom_anyio.models.attention import AttentionMetadata, stage
 from atom_anyio.models.decoder import LlamaForCausalLM
 from atom_anyio.models.ops import CpuOps
-
-
-@dataclass
-class PromptRows:
-    """Rows of one sequence's prefill chunk whose next token's logprob is asked for (prompt logprobs):
-    flattened rows ``start .. start + len(targets) - 1`` of the step, each followed by ``targets[j]``."""
-
-    row: int  # the sequence's row in the step
-    start: int  # its first row in the flattened input
-    targets: list[int]
-    num_top: int
-
-
-@dataclass
-class StepInput:
-    input_ids: list[int]  # the step's tokens, flattened: decodes first, then prefill chunks
-    positions: list[int]
-    block_tables: list[array]  # each sequence's block ids, int32 (read without a copy loop)
-    context_lens: list[int]  # per sequence, including this step's tokens
-    query_lens: list[int]
-    sample_rows: list[int]  # which sequences sample a token this step
-    sampling: SamplingInputs
-    prompt_rows: list[PromptRows] = field(default_factory=list)
-    # async scheduling: (flattened input row, sample row of the previous step) pairs: that input
-    # token is the one the previous step sampled for that row (its input_ids entry is a placeholder)
-    prev_tokens: list[tuple[int, int]] = field(default_factory=list)
-
-
-@dataclass
-class StepOutput:
-    token_ids: list[int] = field(default_factory=list)  # one per sample row
-    logprobs: list[Logprob | None] = field(default_factory=list)
-    error: str | None = None
-    rejected: list[int] = field(default_factory=list)  # sample rows whose token their grammar refused
-    prompt_logprobs: list[list[Logprob]] = field(default_factory=list)  # one list per StepInput.prompt_rows entry
-    timings: dict[str, float] = field(default_factory=dict)
 
 
 class WorkerFailed(RuntimeError):
