@@ -290,7 +290,7 @@ async def test_a_failed_step_fails_both_steps_in_flight_and_the_engine_serves_on
     assert [r[0].finish_reason for r in failed] == ["error", "error"]
     assert all("device lost" in r[0].error and r[0].num_output_tokens == 4 for r in failed)
     bm = engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks and engine.num_consecutive_failures == 1
+    assert bm.num_free_blocks == bm.num_blocks and engine.outputs.num_consecutive_failures == 1
     engine.worker.sampler = ScriptedSampler(tiny_model.tokenizer, "fine")
     ((ok,),) = await run(engine, [(prompts[2], params)])
     assert (ok.text, ok.finish_reason) == ("fine", "stop")

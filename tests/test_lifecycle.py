@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import anyio
@@ -71,7 +70,7 @@ async def test_repeated_step_failures_mark_the_server_unhealthy(tiny_model):
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_an_engine_crash_ends_in_flight_streams_with_an_error_event(tiny_model):
-    atom = AtomApp(Config.of(kv_cache_gib=0.05), loaded=tiny_model)
+    atom = AtomApp(Config.of(kv_cache_gib=0.05, max_consecutive_step_failures=1), loaded=tiny_model)
     async with atom.serving():
         engine = atom.runtime.engine
         client = atom.quart.test_client()
@@ -86,7 +85,6 @@ async def test_an_engine_crash_ends_in_flight_streams_with_an_error_event(tiny_m
         async with anyio.create_task_group() as tg:
             tg.start_soon(stream_request)
             await wait_until(lambda: engine.scheduler.running and engine.scheduler.running[0].num_output_tokens > 2)
-            engine.cfg = dataclasses.replace(engine.cfg, max_consecutive_step_failures=1)
             engine.worker.sampler = FailingSampler(RuntimeError("device lost"))
         assert result["status"] == 200
         events = [e[len("data: ") :] for e in result["body"].split("\n\n") if e]

@@ -119,3 +119,33 @@ def _prompt_rows(seq: Sequence, row: int, flat_start: int, start: int, n: int) -
         return None
     targets = seq.token_ids[first + 1 : end + 1]
     return PromptRows(row, flat_start + first - start, targets, seq.num_prompt_logprobs)
+
+
+@dataclass
+class InFlight:
+    """A step sent to the worker whose result is not yet processed. Until it is, its sequences count
+    its tokens as scheduled and each token it samples as a placeholder: the scheduler plans past them
+    (async scheduling), and nothing preempts them or frees their blocks."""
+
+    batch: ScheduledBatch
+    step: StepInput
+    schedule_s: float
+    failed: bool = False  # its sequences failed with the step before it: its result is dropped
+
+    def hold(self) -> None:
+        """It is sent: its tokens are scheduled, and its sampled tokens pending."""
+        self._count(1)
+
+    def settle(self) -> None:
+        """Its result is back (or the loop ended): ``hold`` undone."""
+        self._count(-1)
+
+    def _count(self, sign: int) -> None:
+        for seq, n in zip(self.batch.seqs, self.batch.num_tokens, strict=True):
+            seq.num_scheduled_tokens += sign * n
+        for row in self.step.sample_rows:
+            self.batch.seqs[row].num_placeholders += sign
+
+    def sample_rows(self) -> dict[int, int]:
+        """Each sampling sequence's sample row in this step, by ``seq_id``."""
+        return {self.batch.seqs[row].seq_id: j for j, row in enumerate(self.step.sample_rows)}

@@ -1,0 +1,211 @@
+"""A step's result, turned into deltas: append each sampled token, detokenize, stop checks,
+``send_nowait``; and the one way out of the engine for a sequence (``retire``)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Collection
+
+import anyio
+import structlog
+
+from atom_anyio.engine.block_manager import BlockManager
+from atom_anyio.engine.scheduler import ScheduledBatch, Scheduler
+from atom_anyio.engine.sequence import Sequence, Status
+from atom_anyio.engine.step import InFlight, StepInput, StepOutput
+from atom_anyio.engine.stream import Delta, Logprob
+
+log = structlog.get_logger("atom_anyio.engine")
+
+
+class StepsFailing(RuntimeError):
+    """``max_consecutive_step_failures`` model steps failed in a row: the engine stops."""
+
+
+class OutputProcessor:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        block_manager: BlockManager,
+        eos_token_ids: tuple[int, ...],
+        max_model_len: int,
+        enable_prefix_caching: bool,
+        max_consecutive_step_failures: int,
+    ):
+        self.scheduler = scheduler
+        self.block_manager = block_manager
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.enable_prefix_caching = enable_prefix_caching
+        self.max_consecutive_step_failures = max_consecutive_step_failures
+        self.num_consecutive_failures = 0
+
+    def process(self, done: InFlight, result: StepOutput, later: Collection[InFlight]) -> None:
+        """The result of ``done``, whose ``later`` steps may be in flight (async scheduling): a sequence
+        that ended meanwhile has its token dropped, and its blocks are freed once no step in flight has it."""
+        batch = done.batch
+        done.settle()
+        if result.error is not None and not done.failed:
+            for step in later:  # their inputs came from this step's tokens
+                step.failed = True
+            seqs = [*batch.seqs, *(s for step in later for s in step.batch.seqs)]
+            self._fail([s for s in dict.fromkeys(seqs) if not s.is_finished], result.error)
+        elif not done.failed:
+            self._process_tokens(batch, done.step, result)
+        for seq in batch.seqs:
+            if seq.is_finished and not seq.num_scheduled_tokens:
+                self.block_manager.free_seq(seq)
+
+    def _process_tokens(self, batch: ScheduledBatch, step: StepInput, result: StepOutput) -> None:
+        self.num_consecutive_failures = 0
+        for rows, lps in zip(step.prompt_rows, result.prompt_logprobs, strict=True):
+            batch.seqs[rows.row].prompt_logprobs += lps
+        for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
+            if seq.is_finished:  # async scheduling: it ended while this step ran
+                continue
+            seq.num_computed_tokens += n
+            if self.enable_prefix_caching:
+                self.block_manager.commit(seq)
+            if seq.max_tokens == 0 and not seq.num_uncomputed_tokens:
+                self._end_prefill_only(seq)
+        rejected = set(result.rejected)
+        for i, (row, token, lp) in enumerate(zip(step.sample_rows, result.token_ids, result.logprobs, strict=True)):
+            if i in rejected:  # cannot happen while the mask is applied; never run past a broken grammar
+                self.retire(batch.seqs[row], f"token {token} violates the request's output grammar")
+            else:
+                self._append_token(batch.seqs[row], token, lp)
+
+    def _append_token(self, seq: Sequence, token: int, lp) -> None:
+        if seq.status is not Status.RUNNING:  # aborted while its step ran
+            return
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
+            self._release_siblings(seq)
+        if seq.reasoning_budget is not None:
+            token, lp = _within_reasoning_budget(seq, token, lp)
+        seq.token_ids.append(token)
+        if seq.grammar_gate and seq.token_ids[-len(seq.grammar_gate) :] == list(seq.grammar_gate):
+            seq.grammar_gate = ()  # the reasoning block closed: the grammar applies from the next token
+        params, detok = seq.params, seq.detokenizer
+        finish, stop_reason = None, None
+        # a terminated grammar ends the output even under ignore_eos: it allows nothing more
+        is_eos = token in self.eos_token_ids and (not params.ignore_eos or _is_terminated(seq))
+        if is_eos or token in params.stop_token_ids:
+            finish, stop_reason = "stop", None if is_eos else token
+            text = detok.flush()
+        else:
+            text = detok.add_token(token)
+            if detok.stop_matched is not None:
+                finish, stop_reason = "stop", detok.stop_matched
+            elif seq.num_output_tokens >= seq.max_tokens or len(seq) >= self.max_model_len:
+                finish = "length"
+                text += detok.flush()
+        delta = Delta(
+            index=seq.index,
+            text=text,
+            token_ids=[token],
+            logprobs=[lp] if lp is not None else None,
+            finish_reason=finish,
+            stop_reason=stop_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            prompt_logprobs=seq.take_prompt_logprobs(),
+        )
+        if finish is not None:
+            delta.metrics = _request_metrics(seq)
+        try:
+            seq.stream.send_nowait(delta)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            self.retire(seq)  # the reader left
+            return
+        if finish is not None:
+            self.retire(seq)
+
+    def _release_siblings(self, seq: Sequence) -> None:
+        for sib in reversed(seq.siblings):
+            sib.prompt_logprobs = list(seq.prompt_logprobs)  # the same prompt: computed once, its prefix is cached
+            self.scheduler.add(sib, front=True)
+        seq.siblings = []
+
+    def _end_prefill_only(self, seq: Sequence) -> None:
+        """A request for the prompt alone (``max_tokens`` 0: its prompt logprobs) ends after its
+        prefill, with no token sampled; its choices end together, sharing one prefill."""
+        seq.first_token_time = time.monotonic()
+        prompt_logprobs = seq.take_prompt_logprobs()  # None when not asked; never changed once taken
+        for s in (seq, *seq.siblings):
+            delta = Delta(
+                index=s.index,
+                text="",
+                token_ids=[],
+                finish_reason="length",
+                num_prompt_tokens=s.num_prompt_tokens,
+                num_cached_tokens=seq.num_cached_tokens,
+                prompt_logprobs=prompt_logprobs,
+                metrics=_request_metrics(seq),
+            )
+            with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+                s.stream.send_nowait(delta)
+        self.retire(seq)
+
+    def retire(self, seq: Sequence, error: str | None = None) -> None:
+        """The one way out of the engine (finished, aborted or failed): the choices not yet
+        released end with it, with an error delta each when ``error`` is given; blocks are freed
+        and the senders closed, after which nothing refers to the sequences."""
+        for s in (seq, *seq.siblings):
+            if error is not None:
+                with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    s.stream.send_nowait(_error_delta(s, error))
+            s.stream.close()
+        seq.siblings = []
+        self.scheduler.finish(seq)
+
+    def _fail(self, seqs: list[Sequence], error: str) -> None:
+        self.num_consecutive_failures += 1
+        log.error("engine.step_failed", error=error, num_seqs=len(seqs), consecutive=self.num_consecutive_failures)
+        for seq in seqs:
+            self.retire(seq, f"model step failed: {error}")
+        if self.num_consecutive_failures >= self.max_consecutive_step_failures:
+            raise StepsFailing(f"{self.num_consecutive_failures} consecutive model steps failed; last: {error}")
+
+
+def _request_metrics(seq: Sequence) -> dict[str, float]:
+    now = time.monotonic()
+    first_sched = seq.first_scheduled_time or now
+    first_tok = seq.first_token_time or now
+    return {
+        "queue_time": first_sched - seq.arrival_time,
+        "ttft": first_tok - seq.arrival_time,
+        "e2e": now - seq.arrival_time,
+    }
+
+
+def _is_terminated(seq: Sequence) -> bool:
+    return seq.active_matcher is not None and seq.active_matcher.is_terminated()
+
+
+def _within_reasoning_budget(seq: Sequence, token: int, lp: Logprob | None) -> tuple[int, Logprob | None]:
+    """The token to append: past the budget, the reasoning block's end tag instead of the sampled
+    one (no logprob: the model did not choose it). Clears the budget once the block has closed."""
+    budget = seq.reasoning_budget
+    assert budget is not None
+    end = budget.end_token_ids
+    num_forced = seq.num_output_tokens - budget.num_tokens
+    if num_forced >= 0:
+        token, lp = end[num_forced], None
+    if num_forced >= len(end) - 1 or [*seq.token_ids[len(seq.token_ids) - len(end) + 1 :], token] == list(end):
+        seq.reasoning_budget = None
+    return token, lp
+
+
+def _error_delta(seq: Sequence, error: str) -> Delta:
+    return Delta(
+        index=seq.index,
+        text="",
+        token_ids=[],
+        finish_reason="error",
+        error=error,
+        num_prompt_tokens=seq.num_prompt_tokens,
+        num_output_tokens=seq.num_output_tokens,
+    )
