@@ -19,6 +19,7 @@ from atom_anyio.engine.block_hash import block_hash_chain
 from atom_anyio.prompt.prepare import PrepareContext, PromptError, PromptRequest, prepare_prompt
 from atom_anyio.prompt.render import compile_chat_template, render_chat
 from atom_anyio.prompt.segment_cache import SegmentCache
+from atom_anyio.sampling_params import SamplingParams
 
 # Qwen2.5-style ChatML with tools, reasoning and an enable_thinking switch.
 CHATML_TOOLS_TEMPLATE = """\
@@ -443,19 +444,25 @@ def test_prompt_that_fits_is_unchanged_and_max_tokens_defaults_to_the_rest(tiny_
     expected_text = tiny_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert prepared.text == expected_text
     assert prepared.token_ids == _reference_ids(tiny_tokenizer, expected_text)
-    assert prepared.max_tokens == 4096 - len(prepared.token_ids)
-    assert prepared.block_hashes == block_hash_chain(prepared.token_ids, 4)
-    assert len(prepared.block_hashes) == len(prepared.token_ids) // 4
-    assert prepare_prompt(PromptRequest(messages=messages, max_tokens=7), ctx).max_tokens == 7
+    assert prepared.request.max_tokens == 4096 - len(prepared.token_ids)
+    assert prepared.request.block_hashes == block_hash_chain(prepared.token_ids, 4)
+    assert len(prepared.request.block_hashes) == len(prepared.token_ids) // 4
+    assert (
+        prepare_prompt(PromptRequest(messages=messages, params=SamplingParams(max_tokens=7)), ctx).request.max_tokens
+        == 7
+    )
 
 
 def test_overflow_is_a_400_stating_context_prompt_and_completion_tokens(tiny_tokenizer):
     messages = _chat(10)
     num_prompt = _num_tokens(tiny_tokenizer, messages)
     ctx = _context(tiny_tokenizer, max_model_len=num_prompt + 50)
-    assert prepare_prompt(PromptRequest(messages=messages, max_tokens=50), ctx).max_tokens == 50
+    assert (
+        prepare_prompt(PromptRequest(messages=messages, params=SamplingParams(max_tokens=50)), ctx).request.max_tokens
+        == 50
+    )
     with pytest.raises(PromptError) as error:
-        prepare_prompt(PromptRequest(messages=messages, max_tokens=51), ctx)
+        prepare_prompt(PromptRequest(messages=messages, params=SamplingParams(max_tokens=51)), ctx)
     assert (error.value.code, error.value.param) == ("context_length_exceeded", "messages")
     assert f"maximum context length is {num_prompt + 50} tokens" in error.value.message
     assert f"you requested {num_prompt + 51} tokens ({num_prompt} in the messages, 51 in the completion)" in str(
@@ -476,14 +483,20 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(tiny_tokenizer):
     messages = _chat(10)
     full = prepare_prompt(PromptRequest(messages=messages), _context(tiny_tokenizer))
     ctx = _context(tiny_tokenizer, max_model_len=200)
-    prepared = prepare_prompt(PromptRequest(messages=messages, truncate_prompt_tokens=150, max_tokens=50), ctx)
+    prepared = prepare_prompt(
+        PromptRequest(messages=messages, truncate_prompt_tokens=150, params=SamplingParams(max_tokens=50)), ctx
+    )
     assert prepared.token_ids == full.token_ids[-150:]
     assert prepared.text == tiny_tokenizer.decode(full.token_ids[-150:])
-    assert prepared.block_hashes == block_hash_chain(prepared.token_ids, 16)
-    fitted = prepare_prompt(PromptRequest(messages=messages, truncate_prompt_tokens=-1, max_tokens=20), ctx)
+    assert prepared.request.block_hashes == block_hash_chain(prepared.token_ids, 16)
+    fitted = prepare_prompt(
+        PromptRequest(messages=messages, truncate_prompt_tokens=-1, params=SamplingParams(max_tokens=20)), ctx
+    )
     assert fitted.token_ids == full.token_ids[-180:]
     with pytest.raises(PromptError) as error:  # still no room for the completion
-        prepare_prompt(PromptRequest(messages=messages, truncate_prompt_tokens=150, max_tokens=51), ctx)
+        prepare_prompt(
+            PromptRequest(messages=messages, truncate_prompt_tokens=150, params=SamplingParams(max_tokens=51)), ctx
+        )
     assert error.value.code == "context_length_exceeded"
 
 
@@ -494,10 +507,10 @@ def test_drop_oldest_keeps_system_and_latest_turn_and_fits(tiny_tokenizer, polic
     max_model_len = num_prompt // 2
     if policy == "server":
         ctx = _context(tiny_tokenizer, max_model_len=max_model_len, context_overflow="drop_oldest")
-        request = PromptRequest(messages=messages, max_tokens=32)
+        request = PromptRequest(messages=messages, params=SamplingParams(max_tokens=32))
     else:
         ctx = _context(tiny_tokenizer, max_model_len=max_model_len)
-        request = PromptRequest(messages=messages, max_tokens=32, truncation="auto")
+        request = PromptRequest(messages=messages, params=SamplingParams(max_tokens=32), truncation="auto")
     prepared = prepare_prompt(request, ctx)
 
     assert len(prepared.token_ids) + 32 <= max_model_len
@@ -509,7 +522,7 @@ def test_drop_oldest_keeps_system_and_latest_turn_and_fits(tiny_tokenizer, polic
     )
     assert prepared.text.startswith("<|im_start|>system\nBe brief.<|im_end|>\n")
     assert prepared.text.endswith("And the last question?<|im_end|>\n<|im_start|>assistant\n")
-    assert prepared.block_hashes == block_hash_chain(prepared.token_ids, 16)
+    assert prepared.request.block_hashes == block_hash_chain(prepared.token_ids, 16)
     one_fewer = messages[:1] + messages[num_dropped:]  # no more was dropped than needed
     assert _num_tokens(tiny_tokenizer, one_fewer) + 32 > max_model_len
 
@@ -538,9 +551,9 @@ def test_drop_oldest_that_cannot_fit_is_refused(tiny_tokenizer):
 @pytest.mark.parametrize(
     "request_kwargs",
     [
-        {"max_tokens": 1000},  # cap 0
-        {"max_tokens": 5000},  # cap < 0
-        {"max_tokens": 1000, "truncate_prompt_tokens": -1},
+        {"params": SamplingParams(max_tokens=1000)},  # cap 0
+        {"params": SamplingParams(max_tokens=5000)},  # cap < 0
+        {"params": SamplingParams(max_tokens=1000), "truncate_prompt_tokens": -1},
         {"truncation": "disabled"},  # the request overrides the server's drop_oldest
     ],
 )
@@ -560,7 +573,7 @@ def test_impossible_cuts_are_refused(tiny_tokenizer, request_kwargs):
         ({"prompt_token_ids": [1, 10**9]}, "prompt"),
         ({}, "prompt"),
         ({"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, "messages"),
-        ({"prompt": "hi", "max_tokens": -1}, "max_tokens"),
+        ({"prompt": "hi", "params": SamplingParams(stop_token_ids=[10**9])}, "stop_token_ids"),
         ({"prompt": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
         ({"prompt": "hi", "truncation": "middle"}, "truncation"),
     ],
@@ -578,8 +591,8 @@ def test_completion_prompts_tokenize_like_the_tokenizer(tiny_tokenizer):
     assert prepared.token_ids == tiny_tokenizer(prompt)["input_ids"]
     assert prepared.token_ids[0] == tiny_tokenizer.bos_token_id
     assert prepared.text == prompt
-    by_ids = prepare_prompt(PromptRequest(prompt_token_ids=[5, 6, 7], max_tokens=3), ctx)
-    assert (by_ids.token_ids, by_ids.text, by_ids.max_tokens) == ([5, 6, 7], None, 3)
+    by_ids = prepare_prompt(PromptRequest(prompt_token_ids=[5, 6, 7], params=SamplingParams(max_tokens=3)), ctx)
+    assert (by_ids.token_ids, by_ids.text, by_ids.request.max_tokens) == ([5, 6, 7], None, 3)
 
 
 # prepare from a worker thread

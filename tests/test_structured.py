@@ -6,9 +6,11 @@ sampler, xgrammar matchers, parsers and Quart app run throughout.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import re
+import threading
 from typing import Any
 
 import anyio
@@ -17,7 +19,7 @@ import openai
 import pydantic
 import pytest
 import xgrammar as xgr
-from support import scripted, served_over_http, serving_app
+from support import HookedSegmentCache, scripted, served_over_http, serving_app
 
 from atom_anyio.api.app import AtomApp
 from atom_anyio.config import Config
@@ -443,6 +445,42 @@ async def test_the_grammar_starts_after_the_reasoning_block_closes(qwen):
     with scripted(qwen, "Thinking.\n</think>not JSON"):
         status, out = await post(qwen, "/v1/chat/completions", {"messages": USER, "response_format": fmt})
     assert status == 500 and "grammar" in out["error"]["message"]
+
+
+async def test_a_chat_request_is_prepared_in_one_hop_into_the_engine_request_the_engine_runs(qwen, monkeypatch):
+    """The prompt is rendered and tokenized once, and in that same prepare thread the grammar is
+    compiled, the open reasoning block found and max_tokens resolved: the engine receives the
+    request as that step built it, nothing added on the way down."""
+    rt, loop_thread = qwen.runtime, threading.get_ident()
+    encode_threads: list[int] = []
+    compile_threads: list[int] = []
+    submitted: list[EngineRequest] = []
+    compile, submit_many = rt.prepare_ctx.grammars.compile, rt.engine.submit_many
+
+    def recording_compile(spec: StructuredOutputs) -> Any:
+        compile_threads.append(threading.get_ident())
+        return compile(spec)
+
+    def recording_submit(requests: list[EngineRequest]) -> Any:
+        submitted.extend(requests)
+        return submit_many(requests)
+
+    monkeypatch.setattr(rt.prepare_ctx.grammars, "compile", recording_compile)
+    hooked = HookedSegmentCache(rt.prepare_ctx.segment_cache, lambda text: encode_threads.append(threading.get_ident()))
+    monkeypatch.setattr(rt, "prepare_ctx", dataclasses.replace(rt.prepare_ctx, segment_cache=hooked))
+    monkeypatch.setattr(rt.engine, "submit_many", recording_submit)
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}
+    with scripted(qwen, 'Thinking.\n</think>{"a": 12}'):
+        status, out = await post(qwen, "/v1/chat/completions", {"messages": USER, "response_format": fmt})
+    assert status == 200 and out["choices"][0]["message"]["content"] == '{"a": 12}', out
+    [request] = submitted
+    [prepare_thread] = encode_threads  # the chat rendered and tokenized once
+    assert compile_threads == [prepare_thread] and prepare_thread != loop_thread
+    assert request.reasoning_end_ids == tuple(rt.loaded.tokenizer.encode("</think>", add_special_tokens=False))
+    assert request.constraint is not None
+    assert request.params.max_tokens is None  # as asked: the rest of the context, resolved once
+    assert request.max_tokens == rt.max_model_len - request.num_prompt_tokens
+    assert out["usage"]["prompt_tokens"] == request.num_prompt_tokens
 
 
 # the engine: batching and preemption never change a constrained greedy output

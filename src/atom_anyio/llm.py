@@ -6,7 +6,6 @@ Each call runs the same async engine loop the server runs, inside
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,7 +18,7 @@ from atom_anyio.engine.engine_config import EngineConfig
 from atom_anyio.engine.stream import Delta, Logprob, collect
 from atom_anyio.models.loader import LoadedModel, load_model
 from atom_anyio.obs.logging import log_to_stderr_by_default
-from atom_anyio.prompt.prepare import PrepareContext, PromptRequest, engine_request, prepare_prompt
+from atom_anyio.prompt.prepare import PrepareContext, PromptRequest, prepare_prompt
 from atom_anyio.sampling_params import SamplingParams
 
 
@@ -88,11 +87,11 @@ class LLM:
         requests = []
         for p in prompts:
             if isinstance(p, str):
-                requests.append(PromptRequest(prompt=p))
+                requests.append({"prompt": p})
             elif isinstance(p, dict):
-                requests.append(PromptRequest(prompt_token_ids=list(p["prompt_token_ids"])))
+                requests.append({"prompt_token_ids": list(p["prompt_token_ids"])})
             else:
-                requests.append(PromptRequest(prompt_token_ids=list(p)))
+                requests.append({"prompt_token_ids": list(p)})
         return self._run(requests, params, use_tqdm)
 
     def chat(
@@ -107,28 +106,23 @@ class LLM:
         """Reply to one conversation or a list of them, through the chat template."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
+        chat = {"tools": tools, "chat_template_kwargs": chat_template_kwargs}
         requests = [
-            PromptRequest(
-                messages=list(conv),
-                tools=tools,
-                chat_template_kwargs=chat_template_kwargs,
-                add_generation_prompt=add_generation_prompt,
-            )
-            for conv in conversations
+            {"messages": list(conv), "add_generation_prompt": add_generation_prompt, **chat} for conv in conversations
         ]
         return self._run(requests, params, use_tqdm)
 
-    def _run(self, requests: list[PromptRequest], params, use_tqdm: bool) -> list[RequestOutput]:
-        """Prepare every prompt the way the server does (render, segment cache,
-        hashes, context rules, validation), then run them all through the engine loop."""
+    def _run(self, requests: list[dict[str, Any]], params, use_tqdm: bool) -> list[RequestOutput]:
+        """Prepare every prompt (``PromptRequest`` fields) the way the server does (render, segment
+        cache, hashes, context rules, validation), then run them all through the engine loop."""
         params = params or SamplingParams(**self.loaded.generation_defaults)  # the model's, as vLLM's LLM
         per_item = list(params) if isinstance(params, Seq) else [params] * len(requests)
         if len(per_item) != len(requests):
             raise ValueError("give one SamplingParams, or one per prompt")
         items = []
-        for req, sp in zip(requests, per_item, strict=True):
-            prepared = prepare_prompt(dataclasses.replace(req, max_tokens=sp.max_tokens), self.prepare_ctx)
-            items.append((prepared.text, engine_request(prepared, sp, self.prepare_ctx)))  # PromptError: refused
+        for fields, sp in zip(requests, per_item, strict=True):
+            prepared = prepare_prompt(PromptRequest(**fields, params=sp), self.prepare_ctx)  # PromptError: refused
+            items.append((prepared.text, prepared.request))
         return anyio.run(self._generate_all, items, use_tqdm)
 
     async def _generate_all(self, items, use_tqdm: bool) -> list[RequestOutput]:

@@ -18,7 +18,6 @@ from atom_anyio.api.usage import Usage
 from atom_anyio.engine.stream import Delta, DeltaStream
 from atom_anyio.parse import OutputParser, ParsedDelta, ToolCallDelta
 from atom_anyio.prompt.prepare import PreparedPrompt, tokenize_prompt
-from atom_anyio.sampling_params import SamplingParams
 
 Event = dict[str, Any]
 
@@ -31,14 +30,14 @@ def messages_blueprint(rt: Runtime) -> Blueprint:
         req = await parse_body(MessagesRequest)
         rt.check_model(req.model)
         keeps_special = rt.parser_spec.decodes_special_tokens(parse_tools=req.parses_tools)
+        params = req.sampling_params(keeps_special, defaults=rt.loaded.generation_defaults)
 
-        def start(prepared: list[PreparedPrompt]) -> tuple[MessageEncoder, list[SamplingParams]]:
+        def encoder_for(prepared: list[PreparedPrompt]) -> MessageEncoder:
             [p] = prepared
-            params = req.sampling_params(p.max_tokens, keeps_special, defaults=rt.loaded.generation_defaults)
-            return MessageEncoder(rt, req, p), [params]
+            return MessageEncoder(rt, req, p)
 
-        prompt = req.prompt_request(req.max_tokens, req.structured(rt.parser_spec))
-        return await rt.generate([prompt], num_seqs=1, is_stream=req.stream, start=start)
+        prompt = req.prompt_request(params, req.structured(rt.parser_spec))
+        return await rt.generate([prompt], is_stream=req.stream, encoder_for=encoder_for)
 
     @bp.post("/v1/messages/count_tokens")
     async def count_tokens() -> Any:

@@ -227,8 +227,9 @@ class MessagesInput(Lenient):
         return out
 
     def prompt_request(
-        self, max_tokens: int | None = None, structured: StructuredOutputs | None = None
+        self, params: SamplingParams | None = None, structured: StructuredOutputs | None = None
     ) -> PromptRequest:
+        """The prompt; ``params`` None (counting tokens): the rest of the context."""
         thinking = self.thinking
         return PromptRequest(
             messages=self.openai_messages(),
@@ -236,7 +237,7 @@ class MessagesInput(Lenient):
             chat_template_kwargs=None if thinking is None else {"enable_thinking": thinking.type != "disabled"},
             add_generation_prompt=not self.continues_assistant,
             continue_final_message=self.continues_assistant,
-            max_tokens=max_tokens,
+            params=params or SamplingParams(max_tokens=None),
             structured=structured,
         )
 
@@ -273,14 +274,12 @@ class MessagesRequest(MessagesInput):
             raise ValueError(f"thinking.budget_tokens ({budget}) must be less than max_tokens ({self.max_tokens})")
         return self
 
-    def sampling_params(
-        self, max_tokens: int, keep_special_tokens: bool = False, *, defaults: Mapping[str, Any]
-    ) -> SamplingParams:
+    def sampling_params(self, keep_special_tokens: bool = False, *, defaults: Mapping[str, Any]) -> SamplingParams:
         """``keep_special_tokens``: the tool-call parser reads a special token (Mistral's ``[TOOL_CALLS]``).
         ``defaults``: the model's (``LoadedModel.generation_defaults``), for the fields left out."""
         return SamplingParams(
             **with_defaults(defaults, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k),
-            max_tokens=max_tokens,
+            max_tokens=self.max_tokens,
             stop=list(self.stop_sequences),
             skip_special_tokens=not keep_special_tokens,
             reasoning_budget=self.thinking.budget_tokens if self.thinking and self.thinking.type == "enabled" else None,

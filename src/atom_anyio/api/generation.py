@@ -1,9 +1,10 @@
 """One generation request's path, shared by every wire format.
 
-A route parses its body into a ``PromptRequest`` (or several) and calls
-``Runtime.generate`` with a ``start`` function; the runtime admits, prepares
-in one worker-thread hop, asks ``start`` for the wire format's ``Encoder``
-and the sampling parameters, submits, and responds: the encoder's SSE events
+A route parses its body into a ``PromptRequest`` (or several), its sampling
+parameters included, and calls ``Runtime.generate`` with an ``encoder_for``
+function; the runtime admits, prepares in one worker-thread hop (each prompt
+becomes its finished ``EngineRequest``), builds the wire format's ``Encoder``
+from the prepared prompts, submits, and responds: the encoder's SSE events
 or its whole response, with an error event or an error body if the engine
 fails. The request's line is written once, when the response ends.
 """

@@ -17,7 +17,6 @@ from atom_anyio.api.usage import Usage
 from atom_anyio.engine.stream import Delta, DeltaStream, Logprob, collect
 from atom_anyio.parse import OutputParser, ParsedDelta, ToolCall, ToolCallDelta
 from atom_anyio.prompt.prepare import PreparedPrompt, PromptRequest
-from atom_anyio.sampling_params import SamplingParams
 
 
 def chat_blueprint(rt: Runtime) -> Blueprint:
@@ -28,26 +27,28 @@ def chat_blueprint(rt: Runtime) -> Blueprint:
         req = await parse_body(ChatCompletionRequest)
         rt.check_model(req.model)
         parse_tools = bool(req.tools) and req.tool_choice != "none"  # "none": no tools in the prompt or the output
+        params = req.sampling_params(
+            req.max_completion_tokens or req.max_tokens,
+            (req.top_logprobs or 0) if req.logprobs else None,
+            defaults=rt.loaded.generation_defaults,
+            keep_special_tokens=rt.parser_spec.decodes_special_tokens(parse_tools=parse_tools),
+        )
         prompt = PromptRequest(
             messages=req.flat_messages(),
             tools=[t.model_dump(exclude_none=True) for t in req.tools] if parse_tools else None,
             chat_template_kwargs=req.template_kwargs,
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
-            max_tokens=req.requested_max_tokens,
+            params=params,
             truncate_prompt_tokens=req.truncate_prompt_tokens,
             structured=req.structured(rt.parser_spec),
         )
 
-        def start(prepared: list[PreparedPrompt]) -> tuple[ChatEncoder, list[SamplingParams]]:
+        def encoder_for(prepared: list[PreparedPrompt]) -> ChatEncoder:
             [p] = prepared
-            num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
-            params = req.sampling_params(p.max_tokens, num_logprobs, defaults=rt.loaded.generation_defaults)
-            if rt.parser_spec.decodes_special_tokens(parse_tools=parse_tools):
-                params.skip_special_tokens = False
-            return ChatEncoder(rt, req, p.opens_reasoning, parse_tools=parse_tools), [params]
+            return ChatEncoder(rt, req, p.opens_reasoning, parse_tools=parse_tools)
 
-        return await rt.generate([prompt], num_seqs=req.n, is_stream=req.stream, start=start)
+        return await rt.generate([prompt], is_stream=req.stream, encoder_for=encoder_for)
 
     return bp
 

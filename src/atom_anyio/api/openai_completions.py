@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -15,7 +16,6 @@ from atom_anyio.api.runtime import Runtime
 from atom_anyio.api.structured import only_one
 from atom_anyio.engine.stream import Delta, DeltaStream, Logprob, collect
 from atom_anyio.prompt.prepare import PreparedPrompt, PromptRequest
-from atom_anyio.sampling_params import SamplingParams
 
 
 def completions_blueprint(rt: Runtime) -> Blueprint:
@@ -26,24 +26,19 @@ def completions_blueprint(rt: Runtime) -> Blueprint:
         req = await parse_body(CompletionRequest)
         rt.check_model(req.model)
         structured = only_one(*req.vllm_structured())
+        params = req.sampling_params(req.max_tokens, req.logprobs, defaults=rt.loaded.generation_defaults)
         prompts = [
             PromptRequest(
                 prompt=p if isinstance(p, str) else None,
                 prompt_token_ids=None if isinstance(p, str) else p,
-                max_tokens=req.max_tokens,
+                params=params,  # one for every prompt: read, never changed
                 truncate_prompt_tokens=req.truncate_prompt_tokens,
                 structured=structured,
             )
             for p in req.prompts()
         ]
-
-        def start(prepared: list[PreparedPrompt]) -> tuple[CompletionEncoder, list[SamplingParams]]:
-            encoder = CompletionEncoder(rt, req, prepared)
-            defaults = rt.loaded.generation_defaults
-            return encoder, [req.sampling_params(p.max_tokens, req.logprobs, defaults=defaults) for p in prepared]
-
-        num_seqs = len(prompts) * req.n
-        return await rt.generate(prompts, num_seqs=num_seqs, is_stream=req.stream, start=start)
+        encoder_for = functools.partial(CompletionEncoder, rt, req)
+        return await rt.generate(prompts, is_stream=req.stream, encoder_for=encoder_for)
 
     return bp
 

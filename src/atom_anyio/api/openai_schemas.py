@@ -114,9 +114,16 @@ class SamplingFields(Lenient):
         return self.prompt_logprobs
 
     def sampling_params(
-        self, max_tokens: int, num_logprobs: int | None, *, defaults: Mapping[str, Any]
+        self,
+        max_tokens: int | None,
+        num_logprobs: int | None,
+        *,
+        defaults: Mapping[str, Any],
+        keep_special_tokens: bool = False,
     ) -> SamplingParams:
-        """``defaults``: the model's (``LoadedModel.generation_defaults``), for the fields left out."""
+        """``max_tokens`` None: the rest of the context (prompt preparation resolves it).
+        ``defaults``: the model's (``LoadedModel.generation_defaults``), for the fields left out.
+        ``keep_special_tokens``: the output parsers read special tokens (``ParserSpec.decodes_special_tokens``)."""
         return SamplingParams(
             n=self.n,
             **with_defaults(
@@ -139,7 +146,7 @@ class SamplingFields(Lenient):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens,
+            skip_special_tokens=self.skip_special_tokens and not keep_special_tokens,
         )
 
 
@@ -207,10 +214,6 @@ class ChatCompletionRequest(SamplingFields):
         if not isinstance(name, str):
             raise bad("tool_choice", 'a named tool choice is {"type": "function", "function": {"name": ...}}')
         return name
-
-    @property
-    def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
 
     @property
     def template_kwargs(self) -> dict[str, Any] | None:

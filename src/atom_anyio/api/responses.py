@@ -37,18 +37,17 @@ def responses_blueprint(rt: Runtime) -> Blueprint:
             messages=to_messages(input_items, req.instructions),
             tools=[t.chat() for t in tools] if req.parses_tools else None,
             chat_template_kwargs=req.chat_template_kwargs,
-            max_tokens=req.max_output_tokens,
+            params=_sampling_params(rt, req),
             truncation=req.truncation,
             structured=req.structured(rt.parser_spec, tools),
         )
 
-        def start(prepared: list[PreparedPrompt]) -> tuple[ResponseEncoder, list[SamplingParams]]:
+        def encoder_for(prepared: list[PreparedPrompt]) -> ResponseEncoder:
             [p] = prepared
-            encoder = ResponseEncoder(rt, req, tools, p, store, input_items)
-            return encoder, [encoder.params]
+            return ResponseEncoder(rt, req, tools, p, store, input_items)
 
         try:
-            return await rt.generate([prompt], num_seqs=1, is_stream=req.stream, start=start)
+            return await rt.generate([prompt], is_stream=req.stream, encoder_for=encoder_for)
         except APIError as exc:
             if exc.param == "messages":  # the prompt is built from the input items
                 exc.param = "input"
@@ -90,10 +89,10 @@ def _not_found(response_id: str, param: str | None = None) -> APIError:
     )
 
 
-def _sampling_params(rt: Runtime, req: ResponsesRequest, prepared: PreparedPrompt) -> SamplingParams:
+def _sampling_params(rt: Runtime, req: ResponsesRequest) -> SamplingParams:
     return SamplingParams(
         **with_defaults(rt.loaded.generation_defaults, temperature=req.temperature, top_p=req.top_p),
-        max_tokens=prepared.max_tokens,
+        max_tokens=req.max_output_tokens,  # None: the rest of the context
         skip_special_tokens=not rt.parser_spec.decodes_special_tokens(parse_tools=req.parses_tools),
     )
 
@@ -115,7 +114,7 @@ class ResponseEncoder:
         input_items: list[InputItem],
     ):
         self.req = req
-        self.params = _sampling_params(rt, req, prepared)  # what runs, and what the Response echoes
+        self.params = prepared.request.params  # what runs, and what the Response echoes
         self.tools = [t.model_dump(exclude_none=True) for t in tools]
         self.store = store
         self.input_items = input_items

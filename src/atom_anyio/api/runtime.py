@@ -9,8 +9,6 @@ within ``drain_timeout_s``) and cancels the loop.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import re
 import time
 from collections.abc import AsyncIterator, Callable
@@ -30,22 +28,14 @@ from atom_anyio.api.response_store import ResponseStore
 from atom_anyio.api.tracker import Admission, RequestTracker, request_id
 from atom_anyio.config import Config
 from atom_anyio.engine.core import Engine, EngineStopped
-from atom_anyio.engine.grammar import Constraint, GrammarError, Grammars
-from atom_anyio.engine.request import EngineRequest, ReasoningBudget
+from atom_anyio.engine.grammar import Grammars
+from atom_anyio.engine.request import EngineRequest
 from atom_anyio.engine.stream import DeltaStream
 from atom_anyio.models.loader import LoadedModel, load_model
 from atom_anyio.obs.loop_health import GCTimer, freeze_heap, limit_malloc_arenas, monitor_loop_lag, thaw_heap
 from atom_anyio.obs.metrics import Metrics
 from atom_anyio.parse import ParserSpec
-from atom_anyio.parse.reasoning import opens_reasoning
-from atom_anyio.prompt.prepare import (
-    PrepareContext,
-    PreparedPrompt,
-    PromptError,
-    PromptRequest,
-    engine_request,
-    prepare_prompt,
-)
+from atom_anyio.prompt.prepare import PrepareContext, PreparedPrompt, PromptError, PromptRequest, prepare_prompt
 from atom_anyio.prompt.segment_cache import SegmentCache
 from atom_anyio.sampling_params import SamplingParams
 from atom_anyio.settings import ConfigError
@@ -53,8 +43,8 @@ from atom_anyio.settings import ConfigError
 log = structlog.get_logger("atom_anyio.server")
 GGUF_QUANT_SUFFIX = re.compile(r"[.-](?:I?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)
 
-# what a route gives ``generate`` once the prompts are prepared: its encoder and each prompt's sampling
-Start = Callable[[list[PreparedPrompt]], tuple[Encoder, list[SamplingParams]]]
+# a route's wire format for its prepared prompts (their counts, text and reasoning state)
+EncoderFor = Callable[[list[PreparedPrompt]], Encoder]
 
 
 @dataclass
@@ -64,9 +54,7 @@ class Runtime:
     config: Config
     loaded: LoadedModel
     engine: Engine
-    prepare_ctx: PrepareContext
-    grammars: Grammars
-    parser_spec: ParserSpec  # reasoning and tool-call parsers, from the effective chat template
+    prepare_ctx: PrepareContext  # and through it the grammar compiler and the output parsers
     metrics: Metrics
     tracker: RequestTracker
     responses_store: ResponseStore
@@ -80,6 +68,10 @@ class Runtime:
     @property
     def model_name(self) -> str:
         return self.config.served_model_name or model_id(self.loaded.name)
+
+    @property
+    def parser_spec(self) -> ParserSpec:
+        return self.prepare_ctx.parser_spec
 
     @property
     def max_model_len(self) -> int:
@@ -113,17 +105,14 @@ class Runtime:
 
     # one generation request
 
-    async def generate(self, prompts: list[PromptRequest], *, num_seqs: int, is_stream: bool, start: Start) -> Any:
-        """Admit, prepare (one worker-thread hop), submit, respond: SSE events or the whole response."""
-        admission = self.admit(num_seqs)
+    async def generate(self, prompts: list[PromptRequest], *, is_stream: bool, encoder_for: EncoderFor) -> Any:
+        """Admit, prepare (one worker-thread hop that builds each engine request whole), submit,
+        respond: SSE events or the whole response, in the route's encoder."""
+        admission = self.admit(sum(p.params.n for p in prompts))
         try:
             prepared = await self.prepare_many(prompts)
-            encoder, params = start(prepared)
-            try:
-                requests = [self._engine_request(p, sp) for p, sp in zip(prepared, params, strict=True)]
-            except PromptError as exc:
-                raise _bad_prompt(exc) from None
-            stream = self.submit(requests, admission)
+            encoder = encoder_for(prepared)
+            stream = self.submit([p.request for p in prepared], admission)
         except BaseException:
             admission.release()
             raise
@@ -165,12 +154,11 @@ class Runtime:
         )
 
     async def prepare_many(self, requests: list[PromptRequest]) -> list[PreparedPrompt]:
-        """The request's one worker-thread hop: render, tokenize, hash, cut, compile its grammar."""
+        """The request's one worker-thread hop: each prompt rendered, tokenized, hashed and cut,
+        and its engine request built whole (grammar compiled, reasoning state found)."""
         t = time.perf_counter()
         try:
-            prepared = await self.run_in_prepare_thread(self._prepare_all, requests)
-        except GrammarError as exc:
-            raise APIError(400, exc.message, param=exc.param, code="invalid_value") from None
+            prepared = await self.run_in_prepare_thread(_prepare_all, requests, self.prepare_ctx)
         finally:
             elapsed = time.perf_counter() - t
             self.metrics.prepare_seconds.observe(elapsed)
@@ -181,42 +169,6 @@ class Runtime:
             sum(p.num_segment_cache_hit_tokens for p in prepared),
         )
         return prepared
-
-    def _prepare_all(self, requests: list[PromptRequest]) -> list[PreparedPrompt]:
-        return [self._prepare_one(r) for r in requests]
-
-    def _prepare_one(self, request: PromptRequest) -> PreparedPrompt:
-        prepared = prepare_prompt(request, self.prepare_ctx)
-        if self.parser_spec.reasoning_tags is not None:
-            prepared = dataclasses.replace(
-                prepared, opens_reasoning=opens_reasoning(prepared.text, self.parser_spec.reasoning_tags)
-            )
-        if request.structured is None:
-            return prepared
-        return dataclasses.replace(prepared, constraint=self._constraint(request, prepared))
-
-    def _constraint(self, request: PromptRequest, prepared: PreparedPrompt) -> Constraint:
-        """The request's grammar; with a reasoning model whose prompt leaves the reasoning block
-        open, it starts after the block's end tag."""
-        grammar = self.grammars.compile(request.structured)
-        return Constraint(grammar, start_after=self._open_reasoning_end_ids(prepared))
-
-    def _open_reasoning_end_ids(self, prepared: PreparedPrompt) -> tuple[int, ...]:
-        """The reasoning block's end tag as tokens, if the prompt leaves the block open; else ()."""
-        return self._reasoning_end_ids if prepared.opens_reasoning else ()
-
-    @functools.cached_property
-    def _reasoning_end_ids(self) -> tuple[int, ...]:
-        """The reasoning end tag's tokens, encoded once."""
-        return tuple(self.loaded.tokenizer.encode(self.parser_spec.reasoning_tags[1], add_special_tokens=False))
-
-    def _engine_request(self, prepared: PreparedPrompt, params: SamplingParams) -> EngineRequest:
-        """The engine's input; a reasoning budget applies where the prompt leaves the block open."""
-        request = engine_request(prepared, params, self.prepare_ctx)
-        end_ids = () if params.reasoning_budget is None else self._open_reasoning_end_ids(prepared)
-        if not end_ids:
-            return request
-        return dataclasses.replace(request, reasoning_budget=ReasoningBudget(params.reasoning_budget, end_ids))
 
     async def run_in_prepare_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` in a prepare thread; a ``PromptError`` becomes the 400 that names its field."""
@@ -265,6 +217,10 @@ def model_id(name: str) -> str:
     return GGUF_QUANT_SUFFIX.sub("", name) or name
 
 
+def _prepare_all(requests: list[PromptRequest], ctx: PrepareContext) -> list[PreparedPrompt]:
+    return [prepare_prompt(r, ctx) for r in requests]
+
+
 def _bad_prompt(exc: PromptError) -> APIError:
     return APIError(400, exc.message, param=exc.param, code=exc.code)
 
@@ -286,22 +242,16 @@ async def serving(
             extra.update(generation_defaults=loaded.generation_defaults)  # what a request leaves out gets
     with _phase("engine.built"):
         engine = Engine(loaded, config.engine)  # on the loop: its worker's limiter belongs to it
-    with _phase("prompt.ready"):
-        prepare_ctx = await anyio.to_thread.run_sync(_prepare_context, config, loaded, engine)
     with _phase("grammars.ready"):
         grammars = await anyio.to_thread.run_sync(_grammars, config, loaded, engine)
+    with _phase("prompt.ready"):
+        prepare_ctx = await anyio.to_thread.run_sync(_prepare_context, config, loaded, engine, grammars)
     metrics = Metrics(per_request=config.metrics_per_request)
     runtime = Runtime(
         config=config,
         loaded=loaded,
         engine=engine,
         prepare_ctx=prepare_ctx,
-        grammars=grammars,
-        parser_spec=ParserSpec.detect(
-            prepare_ctx.template_sources,
-            reasoning_parser=config.reasoning_parser,
-            tool_call_parser=config.tool_call_parser,
-        ),
         metrics=metrics,
         tracker=RequestTracker(metrics),
         responses_store=ResponseStore(config.responses_store_max_items, config.responses_store_ttl_s),
@@ -380,7 +330,7 @@ async def _warm_up(runtime: Runtime) -> None:
             pass
 
 
-def _prepare_context(config: Config, loaded: LoadedModel, engine: Engine) -> PrepareContext:
+def _prepare_context(config: Config, loaded: LoadedModel, engine: Engine, grammars: Grammars) -> PrepareContext:
     template = config.chat_template
     if template and _is_file(template):
         template = Path(template).read_text()
@@ -392,6 +342,9 @@ def _prepare_context(config: Config, loaded: LoadedModel, engine: Engine) -> Pre
         default_chat_template_kwargs=config.default_chat_template_kwargs,
         context_overflow=config.context_overflow,
         default_max_tokens=loaded.generation_defaults.get("max_tokens"),
+        reasoning_parser=config.reasoning_parser,
+        tool_call_parser=config.tool_call_parser,
+        grammars=grammars,
     )
 
 

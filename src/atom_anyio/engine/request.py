@@ -20,19 +20,28 @@ class ReasoningBudget:
 
 @dataclass(frozen=True)
 class EngineRequest:
-    """One prompt and how to continue it. Built by ``prompt.prepare.engine_request``, where it is
-    checked against the context, the KV pool and the vocabulary; the engine only asserts."""
+    """One prompt and how to continue it. Built once by ``prompt.prepare.prepare_prompt``, where it
+    is checked against the context, the KV pool and the vocabulary; the engine only asserts."""
 
     prompt_token_ids: list[int]
     block_hashes: list[int]  # block_hash_chain(prompt_token_ids, block_size)
-    params: SamplingParams
+    params: SamplingParams  # as the request asked (params.max_tokens None: the rest of the context)
     max_tokens: int  # resolved once: the request's, or the rest of the context; 0: prefill only
     constraint: Constraint | None = None  # a compiled grammar every choice's output follows
-    reasoning_budget: ReasoningBudget | None = None  # the prompt opened a reasoning block: close it in time
+    # the prompt leaves a reasoning block open: the tokens of its end tag (the grammar waits for them,
+    # a reasoning budget forces them); (): it does not
+    reasoning_end_ids: tuple[int, ...] = ()
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def reasoning_budget(self) -> ReasoningBudget | None:
+        """The request's reasoning budget, where the prompt leaves a reasoning block open to spend it in."""
+        if self.params.reasoning_budget is None or not self.reasoning_end_ids:
+            return None
+        return ReasoningBudget(self.params.reasoning_budget, self.reasoning_end_ids)
 
     @classmethod
     def of_tokens(

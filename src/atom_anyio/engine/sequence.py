@@ -70,7 +70,7 @@ class Sequence:
         self.first_token_time: float | None = None
         self.matcher: Any = constraint.new_matcher() if constraint else None  # an xgrammar GrammarMatcher
         # token ids the output must end with before the matcher applies (a reasoning end tag); () once it has
-        self.grammar_gate: tuple[int, ...] = constraint.start_after if constraint else ()
+        self.grammar_gate: tuple[int, ...] = request.reasoning_end_ids if constraint else ()
         self.reasoning_budget = request.reasoning_budget  # None once the reasoning block has closed
         # prompt logprobs: top alternatives asked for (None: not asked); entry i is prompt token i's,
         # from the logits at position i - 1 (None for the first); sent once, on the first delta

@@ -1,4 +1,5 @@
-"""One request's prompt, ready for the engine: rendered, tokenized, cut to the context, hashed.
+"""One request's prompt, made into the engine's finished request: rendered, tokenized, cut to
+the context, hashed, its reasoning state found, its grammar compiled, its max_tokens resolved.
 
 ``prepare_prompt`` is the only tokenization a request gets; the engine never encodes again.
 """
@@ -14,8 +15,10 @@ from typing import Any
 import jinja2
 
 from atom_anyio.engine.block_hash import block_hash_chain
-from atom_anyio.engine.grammar import Constraint
+from atom_anyio.engine.grammar import Constraint, GrammarError, Grammars
 from atom_anyio.engine.request import EngineRequest
+from atom_anyio.parse import ParserSpec
+from atom_anyio.parse.reasoning import opens_reasoning
 from atom_anyio.prompt.render import (
     RESERVED_TEMPLATE_VARIABLES,
     compile_chat_template,
@@ -44,7 +47,8 @@ class PromptError(ValueError):
 
 @dataclass(frozen=True)
 class PromptRequest:
-    """The prompt part of a request: exactly one of messages, prompt, prompt_token_ids."""
+    """One prompt of a request as its route parsed it (exactly one of messages, prompt,
+    prompt_token_ids) and how to continue it."""
 
     messages: list[dict] | None = None  # chat; content already flattened to str
     prompt: str | None = None  # completions, raw text
@@ -53,10 +57,11 @@ class PromptRequest:
     chat_template_kwargs: dict | None = None  # merged over the server's defaults
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    max_tokens: int | None = None  # completion tokens; None: the rest of the context
+    # the route's sampling, as asked: params.max_tokens None is the rest of the context (resolved here)
+    params: SamplingParams = field(default_factory=lambda: SamplingParams(max_tokens=None))
     truncate_prompt_tokens: int | None = None  # keep only the last N prompt tokens; -1: as many as fit
     truncation: str | None = None  # None: the server's policy; "disabled"; "auto"/"drop_oldest"
-    structured: StructuredOutputs | None = None  # compiled in the same hop (by the server, which owns the compiler)
+    structured: StructuredOutputs | None = None  # compiled in the same step, by the context's grammar compiler
 
     @property
     def param(self) -> str:
@@ -64,7 +69,7 @@ class PromptRequest:
 
     @property
     def num_reserved_output_tokens(self) -> int:
-        return self.max_tokens if self.max_tokens is not None else 1
+        return self.params.max_tokens if self.params.max_tokens is not None else 1
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,11 @@ class PrepareContext:
     max_kv_tokens: int | None = None  # the most one sequence can hold in the engine's KV pool; None: no bound
     model_vocab_size: int | None = None  # the model's embedding rows (the bound on token ids); None: the tokenizer's
     default_max_tokens: int | None = None  # for a request without max_tokens (the model's max_new_tokens); None: no cap
+    # ParserSpec.detect's choices over the served template: "auto" detects, "none" (offline) leaves the
+    # output unparsed, so no prompt opens a reasoning block
+    reasoning_parser: str = "none"
+    tool_call_parser: str = "none"
+    grammars: Grammars | None = None  # compiles a request's structured outputs; None: it has none (offline)
 
     @classmethod
     def for_engine(cls, engine: Any, tokenizer: Any, **kwargs: Any) -> PrepareContext:
@@ -110,6 +120,8 @@ class PrepareContext:
         for source in sources.values() if isinstance(sources, Mapping) else [sources]:
             if source is not None:
                 compile_chat_template(source)  # a broken template fails at startup, not per request
+        if self.parser_spec.reasoning_tags is not None and not self.reasoning_end_ids:  # encoded once, here
+            raise ValueError(f"the reasoning end tag {self.parser_spec.reasoning_tags[1]!r} encodes to no tokens")
 
     @property
     def template_sources(self) -> str | Mapping[str, str] | None:
@@ -125,6 +137,19 @@ class PrepareContext:
     @functools.cached_property
     def vocab_size(self) -> int:
         return self.model_vocab_size or len(self.tokenizer)
+
+    @functools.cached_property
+    def parser_spec(self) -> ParserSpec:
+        """Which parsers read the output (reasoning tags, tool-call format), from the served template."""
+        return ParserSpec.detect(
+            self.template_sources, reasoning_parser=self.reasoning_parser, tool_call_parser=self.tool_call_parser
+        )
+
+    @functools.cached_property
+    def reasoning_end_ids(self) -> tuple[int, ...]:
+        """The reasoning block's end tag as tokens; () for output without reasoning tags."""
+        tags = self.parser_spec.reasoning_tags
+        return () if tags is None else tuple(self.tokenizer.encode(tags[1], add_special_tokens=False))
 
     def template_for(self, tools: list[dict] | None) -> jinja2.Template:
         return compile_chat_template(self._source_for(tools))
@@ -144,62 +169,86 @@ class PrepareContext:
 
 @dataclass(frozen=True)
 class PreparedPrompt:
-    """A prompt the engine can run as is."""
+    """One prompt, prepared: the engine's finished request, and what the route reports of the prompt."""
 
-    token_ids: list[int]
+    request: EngineRequest
     text: str | None  # the text the engine runs (None for a prompt given as token ids)
-    block_hashes: list[int]  # block_hash_chain(token_ids, block_size)
-    max_tokens: int  # resolved: the request's, or the rest of the context
     num_segment_cache_hit_tokens: int = 0
     num_dropped_messages: int = 0
-    constraint: Constraint | None = None  # the compiled request.structured
-    # the text ends inside an open reasoning block (set in the prepare thread by the server, which
-    # knows the model's reasoning tags: the scan is over the whole prompt, so never on the event loop)
-    opens_reasoning: bool = False
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.prompt_token_ids
 
     @property
     def num_prompt_tokens(self) -> int:
-        return len(self.token_ids)
+        return self.request.num_prompt_tokens
+
+    @property
+    def opens_reasoning(self) -> bool:
+        """The prompt ends inside a reasoning block: the output starts in the reasoning channel."""
+        return bool(self.request.reasoning_end_ids)
 
 
 def prepare_prompt(request: PromptRequest, ctx: PrepareContext) -> PreparedPrompt:
     """Render, tokenize (through the segment cache), cut to the context and hash one request's
-    prompt. Plain synchronous code, meant for one worker-thread hop; raises ``PromptError``."""
+    prompt, then build its engine request whole: max_tokens resolved, the sampling's token ids
+    checked, the open reasoning block found (a scan of the whole prompt) and the grammar compiled.
+    Plain synchronous code, meant for one worker-thread hop; raises ``PromptError``."""
     _validate(request)
     prepare = _prepare_chat if request.messages is not None else _prepare_completion
     text, token_ids, num_hits, num_dropped = prepare(request, ctx)
     if not token_ids:
         raise PromptError(f"the {request.param} must not be empty", param=request.param)
     token_ids, text = _truncate_tokens(request, ctx, token_ids, text)
-    if len(token_ids) + request.num_reserved_output_tokens > ctx.max_model_len:
-        raise _context_length_error(request, ctx, len(token_ids), num_dropped)
-    max_tokens = request.max_tokens
+    max_tokens = _max_tokens(request, ctx, len(token_ids), num_dropped)
+    _check_vocabulary(request.params, ctx)
+    engine_request = EngineRequest(
+        token_ids,
+        block_hash_chain(token_ids, ctx.block_size),
+        request.params,
+        max_tokens,
+        _constraint(request, ctx),
+        ctx.reasoning_end_ids if opens_reasoning(text, ctx.parser_spec.reasoning_tags) else (),
+    )
+    return PreparedPrompt(engine_request, text, num_hits, num_dropped)
+
+
+def _max_tokens(request: PromptRequest, ctx: PrepareContext, num_prompt_tokens: int, num_dropped: int) -> int:
+    """The request's max_tokens, or the rest of the context; refused when the prompt and the
+    completion do not fit the context or the KV pool."""
+    if num_prompt_tokens + request.num_reserved_output_tokens > ctx.max_model_len:
+        raise _context_length_error(request, ctx, num_prompt_tokens, num_dropped)
+    max_tokens = request.params.max_tokens
     if max_tokens is None:  # the rest of the context, or less where the model says so
-        max_tokens = min(ctx.max_model_len - len(token_ids), ctx.default_max_tokens or ctx.max_model_len)
-    if ctx.max_kv_tokens is not None and len(token_ids) + max_tokens > ctx.max_kv_tokens:
+        max_tokens = min(ctx.max_model_len - num_prompt_tokens, ctx.default_max_tokens or ctx.max_model_len)
+    if ctx.max_kv_tokens is not None and num_prompt_tokens + max_tokens > ctx.max_kv_tokens:
         raise PromptError(
-            f"The request needs {len(token_ids) + max_tokens} tokens of KV cache ({len(token_ids)} in the "
+            f"The request needs {num_prompt_tokens + max_tokens} tokens of KV cache ({num_prompt_tokens} in the "
             f"{request.param}, {max_tokens} in the completion) but the pool holds {ctx.max_kv_tokens}.",
             code="context_length_exceeded",
             param=request.param,
         )
-    return PreparedPrompt(
-        token_ids=token_ids,
-        text=text,
-        block_hashes=block_hash_chain(token_ids, ctx.block_size),
-        max_tokens=max_tokens,
-        num_segment_cache_hit_tokens=num_hits,
-        num_dropped_messages=num_dropped,
-    )
+    return max_tokens
 
 
-def engine_request(prepared: PreparedPrompt, params: SamplingParams, ctx: PrepareContext) -> EngineRequest:
-    """The engine's request for a prepared prompt: the sampling's token ids checked against the
-    vocabulary here, once (the prompt's were checked when it was prepared)."""
+def _check_vocabulary(params: SamplingParams, ctx: PrepareContext) -> None:
+    """The sampling's token ids, checked against the vocabulary once (a prompt given as ids: in
+    ``_prepare_completion``)."""
     for param, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
         if any(not 0 <= t < ctx.vocab_size for t in ids):
             raise PromptError(f"{param} token ids must be in [0, {ctx.vocab_size})", param=param)
-    return EngineRequest(prepared.token_ids, prepared.block_hashes, params, prepared.max_tokens, prepared.constraint)
+
+
+def _constraint(request: PromptRequest, ctx: PrepareContext) -> Constraint | None:
+    """The request's grammar, compiled (``Grammars.compile`` bounds the time)."""
+    if request.structured is None:
+        return None
+    assert ctx.grammars is not None, "a structured request needs a context with a grammar compiler"
+    try:
+        return Constraint(ctx.grammars.compile(request.structured))
+    except GrammarError as exc:
+        raise PromptError(exc.message, param=exc.param) from None
 
 
 def tokenize_prompt(request: PromptRequest, ctx: PrepareContext) -> list[int]:
@@ -212,8 +261,6 @@ def tokenize_prompt(request: PromptRequest, ctx: PrepareContext) -> list[int]:
 def _validate(request: PromptRequest) -> None:
     if sum(x is not None for x in (request.messages, request.prompt, request.prompt_token_ids)) != 1:
         raise PromptError("exactly one of messages, prompt and prompt_token_ids is required", param=request.param)
-    if request.max_tokens is not None and request.max_tokens < 0:
-        raise PromptError(f"max_tokens must not be negative, got {request.max_tokens}", param="max_tokens")
     if (n := request.truncate_prompt_tokens) is not None and n < 1 and n != -1:
         raise PromptError(f"truncate_prompt_tokens must be -1 or at least 1, got {n}", param="truncate_prompt_tokens")
     if request.truncation is not None and request.truncation not in TRUNCATION_MODES:
@@ -235,7 +282,7 @@ def _prepare_completion(request: PromptRequest, ctx: PrepareContext) -> tuple[st
             raise PromptError("the prompt must not be empty", param="prompt")
         tokens = ctx.segment_cache.encode(request.prompt, add_special_tokens=True)
         return request.prompt, tokens.token_ids, tokens.num_hit_tokens, 0
-    token_ids = list(request.prompt_token_ids)
+    token_ids = request.prompt_token_ids
     if token_ids and (min(token_ids) < 0 or max(token_ids) >= ctx.vocab_size):
         raise PromptError(f"prompt token ids must be in [0, {ctx.vocab_size})", param="prompt")
     return None, token_ids, 0, 0
