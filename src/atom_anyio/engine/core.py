@@ -172,7 +172,7 @@ class Engine:
         self._wakeup = anyio.Event()
         try:
             async with anyio.create_task_group() as tg, step_tx, result_rx, self.kv_events or contextlib.nullcontext():
-                await tg.start(self.worker.run if self.depth == 1 else self.worker.run_overlapped, step_rx, result_tx)
+                await tg.start(self.worker.run, step_rx, result_tx)
                 self.is_running = True
                 self.error = None
                 task_status.started()

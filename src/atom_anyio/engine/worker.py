@@ -1,9 +1,9 @@
 """One device: the model, its KV pool and the sampler.
 
 The engine loop sends plain ``StepInput`` objects over an anyio memory
-channel and receives ``StepOutput`` back; the forward runs in a worker
-thread (one at a time, through its own limiter) so the event loop never
-waits on the device. Nothing here refers to sequences, so the worker could
+channel and receives ``StepOutput`` back; the steps run on one thread of
+their own (through the worker's limiter) so the event loop never waits on
+the device. Nothing here refers to sequences, so the worker could
 move into its own process without the loop changing.
 """
 
@@ -214,22 +214,9 @@ class Worker:
         *,
         task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
     ) -> None:
-        async with steps, results:
-            task_status.started()
-            async for step in steps:
-                out = await anyio.to_thread.run_sync(self._execute_or_error, step, limiter=self.limiter)
-                await results.send(out)
-
-    async def run_overlapped(
-        self,
-        steps: MemoryObjectReceiveStream[StepInput],
-        results: MemoryObjectSendStream[StepOutput],
-        *,
-        task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
-    ) -> None:
-        """``run`` for async scheduling: one thread runs the steps back to back from a thread-safe
-        queue, so a step sent while the one before it runs starts the moment that one ends, without
-        waiting for the event loop (which is busy postprocessing the result meanwhile)."""
+        """Run the steps in the order sent, on one thread that takes them back to back from a
+        thread-safe queue: a step sent while the one before it runs (async scheduling) starts the
+        moment that one ends, without waiting for the event loop (busy with that one's result)."""
         queued: queue.SimpleQueue[StepInput | None] = queue.SimpleQueue()
         done: queue.SimpleQueue[StepOutput | BaseException | None] = queue.SimpleQueue()
         async with steps, results, anyio.create_task_group() as tg:
