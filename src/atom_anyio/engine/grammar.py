@@ -61,9 +61,6 @@ class Constraint:
     """What the engine needs to constrain one request's sequences."""
 
     grammar: xgr.CompiledGrammar
-    # token ids the output must contain before the grammar applies (a reasoning block's end tag);
-    # empty: constrained from the first token
-    start_after: tuple[int, ...] = ()
 
     def new_matcher(self) -> xgr.GrammarMatcher:
         """A matcher for one sequence (each choice its own: their outputs differ)."""
