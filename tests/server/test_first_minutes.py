@@ -24,7 +24,7 @@ from atom_anyio.models.loader import LoadedModel, load_model
 from atom_anyio.sampling_params import SamplingParams
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC).timestamp()
-README = Path(__file__).parent.parent / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 # what a model maker writes in generation_config.json (Qwen3-style), plus a cap on the output
 GENERATION_CONFIG = {
     "bos_token_id": 1,

@@ -24,7 +24,7 @@ from atom_anyio.engine.request import EngineRequest
 from atom_anyio.sampling_params import SamplingParams
 from atom_anyio.settings import ConfigError, setting_name
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "atom_anyio"
+SRC = Path(__file__).resolve().parents[2] / "src" / "atom_anyio"
 
 
 def atom_anyio(*args: str, **env: str) -> subprocess.CompletedProcess:
