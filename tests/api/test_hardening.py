@@ -505,6 +505,7 @@ async def test_cors_answers_allowed_origins_only(tiny_model):
 # SIGTERM under load, as real processes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("runner", ["hypercorn", "serve"])
 async def test_sigterm_under_load_drains_in_flight_streams_and_exits_zero(tiny_model_dir, tmp_path, runner):
     """hypercorn with its default flags (a worker process, a 3 s graceful timeout) drains too: the

@@ -68,6 +68,7 @@ def first_divergence_within_top_k(ours: list[int], our_top: list[set[int]], ref:
     return None
 
 
+@pytest.mark.slow
 def test_smollm2_bfloat16_greedy_matches_transformers_bfloat16_within_top5(smollm2_path):
     import os
 
@@ -106,6 +107,7 @@ def test_smollm2_bfloat16_greedy_matches_transformers_bfloat16_within_top5(smoll
         first_divergence_within_top_k(list(out.token_ids), our_top, ref_ids, ref_top)
 
 
+@pytest.mark.slow
 def test_smollm2_greedy_equals_transformers(smollm2, smollm2_path):
     import os
 

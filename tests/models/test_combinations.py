@@ -61,6 +61,7 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
+@pytest.mark.slow
 @pytest.mark.anyio
 async def test_default_server_answers_long_prompts_and_stays_healthy(smollm2_path):
     """The report, at this machine's defaults: three uncached messages of 800 words (about 3,400

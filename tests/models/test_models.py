@@ -395,6 +395,7 @@ def test_gguf_without_tokenizer_is_refused_by_load_model(tmp_path, gguf_families
         load_model(str(path))
 
 
+@pytest.mark.slow
 def test_default_model_loads_in_seconds_and_matches_transformers(smollm2_path):
     start = time.perf_counter()
     loaded = load_model(None)

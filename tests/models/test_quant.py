@@ -328,6 +328,7 @@ def test_types_without_a_kernel_load_dequantized(tiny_chat_gguf):
     assert not any(isinstance(m, QuantLinear) for m in loaded.model.modules())
 
 
+@pytest.mark.slow
 def test_smollm2_q4_1_served_quantized_answers_and_fits_its_file(smollm2_path):
     llm = LLM(smollm2_path, gguf_weights="packed")  # dtype "auto" picks the activations; the blocks alone
     model = llm.loaded.model

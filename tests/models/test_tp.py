@@ -90,6 +90,7 @@ def test_greedy_output_at_two_ranks_equals_one_and_transformers_with_a_replicate
     assert at_two == at_one == [transformers_greedy(replicated_kv_dir, p, 24) for p in ids]
 
 
+@pytest.mark.slow
 def test_default_gguf_kept_quantized_splits_its_blocks_and_generates_as_one_rank(smollm2):
     """The real SmolLM2 shape: 3 KV heads over 2 ranks (2 + 1), Q4_1 blocks cut whole."""
     ids = smollm2.tokenizer("What is the capital of France?")["input_ids"]
@@ -102,6 +103,7 @@ def test_default_gguf_kept_quantized_splits_its_blocks_and_generates_as_one_rank
         assert two.generate([ids], greedy(12))[0].outputs[0].token_ids == at_one
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not SMOLLM2_HF.is_dir(), reason=f"{SMOLLM2_HF} (SmolLM2-135M, float32) is not here")
 def test_smollm2_float32_at_two_ranks_equals_transformers():
     with offline(str(SMOLLM2_HF), dtype="float32", kv_cache_gib=0.05, tensor_parallel_size=2) as two:
@@ -137,6 +139,7 @@ def test_quantized_weights_are_cut_along_whole_blocks_or_refused(tiny_model):
 # served
 
 
+@pytest.mark.slow
 def test_served_greedy_output_equals_one_rank_and_sigterm_leaves_no_rank(tiny_model_dir, tiny_model, tmp_path):
     messages = [{"role": "user", "content": PROMPT}]
     with offline(tiny_model, kv_cache_gib=0.05) as one:
@@ -181,6 +184,7 @@ def cli_server(model_dir: Path, log_path: Path) -> Iterator[tuple[subprocess.Pop
         proc.wait()
 
 
+@pytest.mark.slow
 def test_sigkill_of_the_server_leaves_no_rank(tiny_model_dir, tmp_path):
     with cli_server(tiny_model_dir, tmp_path / "serve.log") as (proc, _):
         ranks = ranks_of(proc.pid)
@@ -190,6 +194,7 @@ def test_sigkill_of_the_server_leaves_no_rank(tiny_model_dir, tmp_path):
         assert_all_gone(ranks)
 
 
+@pytest.mark.slow
 def test_a_rank_killed_mid_run_fails_the_engine_and_the_server_exits_non_zero(tiny_model_dir, tmp_path):
     with cli_server(tiny_model_dir, tmp_path / "serve.log") as (proc, served):
         (rank,) = ranks_of(proc.pid)

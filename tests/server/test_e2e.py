@@ -269,6 +269,7 @@ def test_every_line_hypercorn_prints_is_json_with_the_documented_keys(server, cl
         )
 
 
+@pytest.mark.slow
 def test_atom_anyio_serve_answers_and_exits_zero_on_sigterm(tiny_model_dir, tmp_path) -> None:
     port = free_port()
     script = Path(sys.executable).with_name("atom-anyio")
