@@ -51,7 +51,11 @@ def measure(dtype: str, weights: str, args) -> dict:
     out_tok_s(llm, prompts(2, 32, seed=99), 4)  # warm-up
     batched = out_tok_s(llm, prompts(args.batch, args.prompt_len, seed=1), args.output_len)
     single = out_tok_s(llm, prompts(1, 200, seed=2), args.single_len)
-    row = {"resolved": str(next(loaded.model.parameters()).dtype).removeprefix("torch."), "batched": batched, "single": single}
+    row = {
+        "resolved": str(next(loaded.model.parameters()).dtype).removeprefix("torch."),
+        "batched": batched,
+        "single": single,
+    }
     del llm, loaded
     gc.collect()
     return row
