@@ -80,7 +80,8 @@ def write_tiny_model(path: Path, max_position_embeddings: int = 65536, hidden_si
     import torch
     import transformers
 
-    from atom_anyio.models.loader import default_model_path, load_gguf_tokenizer
+    from atom_anyio.models.gguf_file import load_gguf_tokenizer
+    from atom_anyio.models.loader import default_model_path
 
     config = transformers.LlamaConfig(
         vocab_size=49152,

@@ -25,7 +25,7 @@ from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config as HypercornConfig
 
 from atom_anyio.engine.sampler import SamplerOutput, SamplingInputs
-from atom_anyio.models.loader import load_gguf_tokenizer
+from atom_anyio.models.gguf_file import load_gguf_tokenizer
 
 READY_TIMEOUT_S = 60.0
 EXIT_TIMEOUT_S = 30.0

@@ -407,7 +407,7 @@ async def test_default_flags_sdk_clients_receive_structured_tool_calls_over_http
 
 def test_smollm2_renders_tools_in_the_default_format(smollm2_path):
     """SmolLM2's real tokenizer and template, through the same prepare path a request takes."""
-    from atom_anyio.models.loader import load_gguf_tokenizer
+    from atom_anyio.models.gguf_file import load_gguf_tokenizer
     from atom_anyio.prompt.prepare import PrepareContext, PromptRequest, prepare_prompt
     from atom_anyio.prompt.segment_cache import SegmentCache
 

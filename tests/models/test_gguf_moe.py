@@ -21,7 +21,8 @@ from test_models_arch import greedy, hf_greedy, prompt_tokens
 
 from atom_anyio import LLM, kernels
 from atom_anyio.models.decoder import FULL, SLIDING
-from atom_anyio.models.loader import GGUF_ARCHITECTURES, load_model
+from atom_anyio.models.gguf_file import GGUF_ARCHITECTURES
+from atom_anyio.models.loader import load_model
 from atom_anyio.models.moe import MoeConfig
 from atom_anyio.models.quant import QuantEmbedding, QuantLinear
 

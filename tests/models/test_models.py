@@ -22,7 +22,8 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from atom_anyio.models.attention import AttentionMetadata
 from atom_anyio.models.decoder import pack_weights
-from atom_anyio.models.loader import GGUF_ARCHITECTURES, build_model, load_gguf_weights, load_model
+from atom_anyio.models.gguf_file import GGUF_ARCHITECTURES, load_gguf_weights
+from atom_anyio.models.loader import build_model, load_model
 
 SIZES = TINY_SIZES  # test_quant imports it
 VOCAB = SIZES["vocab_size"]

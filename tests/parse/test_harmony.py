@@ -13,7 +13,8 @@ import torch
 import transformers
 from support import scripted, serving_app
 
-from atom_anyio.models.loader import load_gguf_tokenizer, load_model
+from atom_anyio.models.gguf_file import load_gguf_tokenizer
+from atom_anyio.models.loader import load_model
 from atom_anyio.parse import OutputParser, ParserSpec
 from atom_anyio.parse.harmony import HarmonyParser
 from atom_anyio.templates import template_path
