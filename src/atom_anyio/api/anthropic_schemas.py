@@ -10,7 +10,7 @@ from pydantic import Field, TypeAdapter, ValidationError, field_validator, model
 
 from atom_anyio.api.openai_schemas import Lenient
 from atom_anyio.api.structured import forced_tools
-from atom_anyio.generation_defaults import with_defaults
+from atom_anyio.models.generation_defaults import with_defaults
 from atom_anyio.parse import ParserSpec
 from atom_anyio.prompt.prepare import PromptRequest
 from atom_anyio.sampling_params import SamplingParams, StructuredOutputs

@@ -17,7 +17,7 @@ from atom_anyio.api.responses_schemas import FunctionTool, InputItem, ResponsesR
 from atom_anyio.api.runtime import Runtime
 from atom_anyio.api.usage import Usage
 from atom_anyio.engine.stream import DeltaStream
-from atom_anyio.generation_defaults import with_defaults
+from atom_anyio.models.generation_defaults import with_defaults
 from atom_anyio.parse import OutputParser, ParsedDelta, ToolCallDelta
 from atom_anyio.prompt.prepare import PreparedPrompt, PromptRequest
 from atom_anyio.sampling_params import SamplingParams
