@@ -7,6 +7,8 @@ import json
 import os
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -259,6 +261,34 @@ def test_without_a_compiler_auto_falls_back_to_the_portable_path(tmp_path):
     assert result["error"] and result["backend"] == "torch" and result["ops"] == "torch"
     assert "attention_backend 'cpu' is unavailable" in result["explicit"]
     assert "kernels.unavailable" in run.stdout + run.stderr  # one clear log line
+
+
+def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_start():
+    """A build killed midway leaves ``lock`` in its build directory, and torch waits on it forever,
+    even with the build cached: an old one is removed, said in one line, and the kernels load."""
+    if kernels.load_cpu_kernels() is not None:
+        pytest.skip("the kernels cannot be built here")
+    from torch.utils import cpp_extension
+
+    lock = Path(cpp_extension._get_build_directory(kernels.build_name(), verbose=False)) / "lock"
+    lock.touch()
+    old = time.time() - kernels.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    load = "from atom_anyio import kernels; print(kernels.load_cpu_kernels())"
+    try:
+        run = subprocess.run([sys.executable, "-c", load], capture_output=True, text=True, timeout=120)
+    finally:
+        lock.unlink(missing_ok=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().splitlines()[-1] == "None"
+    assert "kernels.stale_lock_removed" in run.stdout + run.stderr
+
+
+def test_a_young_lock_is_left_to_the_build_that_holds_it(tmp_path):
+    lock = tmp_path / "lock"
+    lock.touch()
+    kernels.clear_stale_lock(tmp_path)
+    assert lock.exists()
 
 
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 7])  # 0: a step whose chunks sample nothing

@@ -89,6 +89,25 @@ def build_name() -> str:
     return f"atom_cpu_kernels_{digest.hexdigest()[:16]}"
 
 
+STALE_LOCK_S = 900.0  # a build takes 30-90 s on two cores: a lock this old was left by a killed one
+
+
+def clear_stale_lock(build_dir: Path) -> None:
+    """torch waits without end, and silently, on a build directory's ``lock``, which a build killed
+    midway (Ctrl-C or a supervisor's start timeout during the first start) leaves behind, even
+    when the build is cached: remove one older than any build takes, and log a younger one's wait."""
+    lock = build_dir / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        lock.unlink(missing_ok=True)
+        log.warning("kernels.stale_lock_removed", path=str(lock), age_s=round(age))
+    else:
+        log.info("kernels.waiting_for_build", path=str(lock), age_s=round(age))
+
+
 @functools.cache
 def load_cpu_kernels() -> str | None:
     """Build (or load the cached build of) the CPU kernels. None when
@@ -96,7 +115,9 @@ def load_cpu_kernels() -> str | None:
     from torch.utils import cpp_extension  # imports setuptools: only when needed
 
     name = build_name()
-    if not (Path(cpp_extension._get_build_directory(name, verbose=False)) / f"{name}.so").exists():
+    build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
+    clear_stale_lock(build_dir)
+    if not (build_dir / f"{name}.so").exists():
         log.info("kernels.building", name=name, sources=[p.name for p in SOURCES], cpu=cpu_model(), flags=FLAGS)
     t0 = time.perf_counter()
     try:
