@@ -72,6 +72,20 @@ def test_gemv_of_a_few_rows_is_within_the_int16_activation_bound(qtype, rows, cp
     assert error.max() < 1e-3 * expected.abs().max()  # and far below the quantization error of the weights
 
 
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+def test_bfloat16_gemv_is_the_float32_gemv_rounded(qtype, rows, bias, cpu_kernels):
+    """bfloat16 rows run the float32 GEMV inside the kernel (widened exactly, rounded back as .to
+    rounds): the same bits as converting around it."""
+    w, _ = random_quantized(100, 192, qtype, seed=rows)
+    x = (torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows)) * 3).bfloat16()
+    b = torch.randn(100).bfloat16() if bias else None
+    out = CpuOps.linear(x, QuantLinearLike(w.to(dtype=torch.bfloat16), b))
+    expected = CpuOps.linear(x.float(), QuantLinearLike(w, None if b is None else b.float())).bfloat16()
+    assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
+
+
 @pytest.mark.parametrize("rows", [5, 64, 300])
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
 def test_larger_batches_run_dequantized_slices_through_a_gemm(qtype, rows, cpu_kernels):

@@ -201,6 +201,7 @@ def weight_bytes(model: nn.Module) -> int:
 # CPU kernels
 
 
+GEMV_DTYPES = (torch.float32, torch.bfloat16)  # bfloat16 rows widen and round back in the kernel
 MAX_GEMV_ROWS = 4  # up to here the blocks stream once through the GEMV; dequantized slices and a GEMM beyond
 SLICE_FLOATS = 1 << 17  # floats of dequantized weights per GEMM (512 KiB: stays in cache while the GEMM reads it)
 
@@ -213,7 +214,7 @@ def cpu_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -
     if x.shape[0] == 0:  # a step that samples nothing (a long prompt's first chunks)
         return x.new_empty(0, n)
     if x.shape[0] <= MAX_GEMV_ROWS:  # decode: the hot path, kept lean
-        if x.dtype != torch.float32:
+        if x.dtype not in GEMV_DTYPES:
             return cpu_linear(x.float(), w, None if bias is None else bias.float()).to(x.dtype)
         out = x.new_empty(x.shape[0], n)
         torch.ops.atom.qgemv(out, x.contiguous(), w.data, w.qtype.value, bias)

@@ -21,6 +21,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <cstring>
@@ -365,15 +366,23 @@ void check_weight(const at::Tensor& w, int64_t K, int64_t type, const char* name
               " does not match the weight's ", w.size(1), " bytes per row");
 }
 
+// bfloat16 x is widened to float32 (exactly) and the float32 result rounded back as torch's .to() rounds: the
+// bits of the float32 call between two conversions, without their two Python-level ops per linear
 void qgemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64_t type,
            const c10::optional<at::Tensor>& b) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "qgemv: float32 activations only");
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && out.scalar_type() == dtype,
+              "qgemv: float32 or bfloat16 activations, and out of their dtype");
   TORCH_CHECK(x.is_contiguous() && out.is_contiguous(), "qgemv: tensors must be contiguous");
   TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= 4, "qgemv: x must be [1..4, K]");
   check_weight(w, x.size(1), type, "qgemv");
   TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == w.size(0), "qgemv: out must be [M, N]");
-  atom::qgemv_f32(out.data_ptr<float>(), x.data_ptr<float>(), x.size(0), x.size(1), w.data_ptr<uint8_t>(), w.size(0),
-                  type, b.has_value() ? b->data_ptr<float>() : nullptr);
+  const at::Tensor bias = b.has_value() ? b->to(at::kFloat).contiguous() : at::Tensor();
+  const at::Tensor xf = x.to(at::kFloat);
+  at::Tensor of = dtype == at::kFloat ? out : at::empty(out.sizes(), out.options().dtype(at::kFloat));
+  atom::qgemv_f32(of.data_ptr<float>(), xf.data_ptr<float>(), x.size(0), x.size(1), w.data_ptr<uint8_t>(), w.size(0),
+                  type, bias.defined() ? bias.data_ptr<float>() : nullptr);
+  if (dtype != at::kFloat) out.copy_(of);
 }
 
 template <int64_t Type, typename T>
