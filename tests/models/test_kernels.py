@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -268,9 +267,7 @@ def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_start():
     even with the build cached: an old one is removed, said in one line, and the kernels load."""
     if kernels.load_cpu_kernels() is not None:
         pytest.skip("the kernels cannot be built here")
-    from torch.utils import cpp_extension
-
-    lock = Path(cpp_extension._get_build_directory(kernels.build_name(), verbose=False)) / "lock"
+    lock = kernels.build_directory(kernels.build_name()) / "lock"
     lock.touch()
     old = time.time() - kernels.STALE_LOCK_S - 60
     os.utime(lock, (old, old))

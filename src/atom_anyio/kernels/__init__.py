@@ -89,6 +89,13 @@ def build_name() -> str:
     return f"atom_cpu_kernels_{digest.hexdigest()[:16]}"
 
 
+def build_directory(name: str) -> Path:
+    """Where torch's cpp_extension builds and caches the entry ``name`` (``TORCH_EXTENSIONS_DIR``)."""
+    from torch.utils import cpp_extension  # imports setuptools: only when needed
+
+    return Path(cpp_extension._get_build_directory(name, verbose=False))
+
+
 STALE_LOCK_S = 900.0  # a build takes 30-90 s on two cores: a lock this old was left by a killed one
 
 
@@ -115,7 +122,7 @@ def load_cpu_kernels() -> str | None:
     from torch.utils import cpp_extension  # imports setuptools: only when needed
 
     name = build_name()
-    build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
+    build_dir = build_directory(name)
     clear_stale_lock(build_dir)
     if not (build_dir / f"{name}.so").exists():
         log.info("kernels.building", name=name, sources=[p.name for p in SOURCES], cpu=cpu_model(), flags=FLAGS)
