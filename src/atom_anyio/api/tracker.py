@@ -170,4 +170,5 @@ class RequestTracker:
             cached_tokens=usage.cached_tokens,
             generated_tokens=usage.completion_tokens,
             **{f"{k}_s": round(v, 6) for k, v in usage.timings.items()},
+            **({"spec_acceptance": usage.spec_acceptance} if usage.num_draft_tokens else {}),
         )

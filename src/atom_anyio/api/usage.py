@@ -17,6 +17,8 @@ class Usage:
     timings: dict[str, float] = field(default_factory=dict)
     inter_token_gaps: list[float] = field(default_factory=list)  # between deltas, as the client sees them
     finish_reason: str | None = None  # the last choice to finish
+    num_draft_tokens: int = 0  # speculative decoding, every choice's
+    num_accepted_tokens: int = 0
     _last_delta_at: float | None = None
 
     def add(self, d: Delta) -> None:
@@ -33,6 +35,13 @@ class Usage:
             self.timings = d.metrics
         if d.finish_reason is not None:
             self.finish_reason = d.finish_reason
+            self.num_draft_tokens += d.num_draft_tokens
+            self.num_accepted_tokens += d.num_accepted_tokens
+
+    @property
+    def spec_acceptance(self) -> float | None:
+        """The share of draft tokens accepted (speculative decoding); None when nothing was drafted."""
+        return round(self.num_accepted_tokens / self.num_draft_tokens, 3) if self.num_draft_tokens else None
 
     def openai(self) -> dict[str, Any]:
         return {

@@ -125,6 +125,16 @@ class BlockManager:
             block.ref_count = 1
             seq.block_table.append(block_id)
 
+    def shrink(self, seq: Sequence) -> None:
+        """Free the blocks past ``seq``'s tokens: they held only a rejected draft's KV (never
+        committed), so they go back empty."""
+        while len(seq.block_table) > self.blocks_needed(len(seq)):
+            block = self.blocks[seq.block_table.pop()]
+            assert block.ref_count == 1 and block.hash is None
+            block.ref_count = 0
+            self.free[block.block_id] = None
+            self.free.move_to_end(block.block_id, last=False)  # empty: taken before any cached block
+
     def commit(self, seq: Sequence) -> None:
         """Publish every block of ``seq`` whose KV is now fully computed."""
         bs = self.block_size

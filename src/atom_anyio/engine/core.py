@@ -16,6 +16,7 @@ step is scheduled and sent while the worker runs this one.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from array import array
@@ -33,6 +34,7 @@ from atom_anyio.engine.output_processor import OutputProcessor, StepsFailing
 from atom_anyio.engine.request import EngineRequest
 from atom_anyio.engine.scheduler import ScheduledBatch, Scheduler
 from atom_anyio.engine.sequence import Sequence
+from atom_anyio.engine.speculative import Speculator
 from atom_anyio.engine.step import InFlight, StepInput, StepOutput, build_step
 from atom_anyio.engine.stream import DeltaStream
 from atom_anyio.engine.tp_workers import TensorParallelWorker
@@ -61,8 +63,13 @@ class Engine:
         num_blocks = cfg.num_kv_blocks or self._num_pool_blocks(per_block, kv_pool_bytes(cfg, loaded.model))
         self.kv_events = KVEventPublisher(cfg.kv_events) if cfg.kv_events else None  # runs with run()
         self.block_manager = BlockManager(num_blocks, cfg.block_size, record_events=self.kv_events is not None)
+        self.speculator = _speculator(cfg)
         self.scheduler = Scheduler(
-            self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.enable_prefix_caching
+            self.block_manager,
+            cfg.max_num_seqs,
+            cfg.max_num_batched_tokens,
+            cfg.enable_prefix_caching,
+            self.speculator,
         )
         graphs = (self.max_model_len, cfg.max_num_seqs) if cfg.cuda_graphs else None
         if cfg.tensor_parallel_size > 1:  # rank 0, driving the other ranks' processes
@@ -83,6 +90,7 @@ class Engine:
             self.max_model_len,
             cfg.enable_prefix_caching,
             cfg.max_consecutive_step_failures,
+            self.speculator,
         )
         self.depth = 2 if cfg.async_scheduling else 1  # steps in flight at once
         self._inbox: list[Sequence] = []
@@ -267,6 +275,19 @@ class Engine:
         self.num_steps += 1
         if batch.num_preempted:
             log.info("engine.preempted", num_seqs=batch.num_preempted, free_blocks=self.block_manager.num_free_blocks)
+
+
+def _speculator(cfg: EngineConfig) -> Speculator | None:
+    """Speculative decoding, where configured and where it runs: not beside async scheduling, whose
+    step in flight would have to guess how many of a draft's tokens its successor starts after."""
+    spec = cfg.speculative_config
+    if spec is None:
+        return None
+    if cfg.async_scheduling:
+        log.warning("spec_decode.off", reason="async_scheduling", method=spec.method)
+        return None
+    log.info("spec_decode.on", **dataclasses.asdict(spec))
+    return Speculator(spec)
 
 
 def _crash_cause(exc: BaseException) -> BaseException:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from atom_anyio.engine.speculative import SpeculativeConfig
 from atom_anyio.obs.kv_events import KVEventsConfig
 from atom_anyio.settings import setting
 
@@ -46,8 +47,16 @@ class EngineConfig:
         parse=KVEventsConfig.from_json,
         name="kv_events_config",
     )
+    speculative_config: SpeculativeConfig | None = setting(
+        None,
+        'vLLM\'s --speculative-config JSON, draft-free: {"method": "ngram" or "suffix", "num_speculative_tokens": k, '
+        '"prompt_lookup_min"/"prompt_lookup_max": n, ...}; off by default (docs/engine.md)',
+        parse=SpeculativeConfig.from_json,
+    )
 
     def __post_init__(self) -> None:
+        if isinstance(self.speculative_config, dict):  # LLM(speculative_config={...}), as vLLM takes it
+            object.__setattr__(self, "speculative_config", SpeculativeConfig.from_json(self.speculative_config))
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], not {self.gpu_memory_utilization}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_pending_deltas"):

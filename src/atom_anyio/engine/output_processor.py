@@ -13,6 +13,7 @@ import structlog
 from atom_anyio.engine.block_manager import BlockManager
 from atom_anyio.engine.scheduler import ScheduledBatch, Scheduler
 from atom_anyio.engine.sequence import Sequence, Status
+from atom_anyio.engine.speculative import Speculator
 from atom_anyio.engine.step import InFlight, StepInput, StepOutput
 from atom_anyio.engine.stream import Delta, Logprob
 
@@ -32,8 +33,10 @@ class OutputProcessor:
         max_model_len: int,
         enable_prefix_caching: bool,
         max_consecutive_step_failures: int,
+        speculator: Speculator | None = None,
     ):
         self.scheduler = scheduler
+        self.speculator = speculator
         self.block_manager = block_manager
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
@@ -64,21 +67,44 @@ class OutputProcessor:
         for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
             if seq.is_finished:  # async scheduling: it ended while this step ran
                 continue
-            seq.num_computed_tokens += n
+            seq.num_computed_tokens += n - len(batch.drafts.get(seq.seq_id, ()))  # a draft's KV: once accepted
             if self.enable_prefix_caching:
                 self.block_manager.commit(seq)
             if seq.max_tokens == 0 and not seq.num_uncomputed_tokens:
                 self._end_prefill_only(seq)
         rejected = set(result.rejected)
-        for i, (row, token, lp) in enumerate(zip(step.sample_rows, result.token_ids, result.logprobs, strict=True)):
+        drafts = step.draft_token_ids or [[]] * len(step.sample_rows)
+        accepted = result.num_accepted or [0] * len(step.sample_rows)
+        first = 0  # each sample row's first position in the result
+        for i, (row, draft, num_accepted) in enumerate(zip(step.sample_rows, drafts, accepted, strict=True)):
+            seq, tokens = batch.seqs[row], result.token_ids[first : first + num_accepted + 1]
+            if draft and self.speculator is not None:
+                self.speculator.verified(seq, len(draft), num_accepted)
             if i in rejected:  # cannot happen while the mask is applied; never run past a broken grammar
-                self.retire(batch.seqs[row], f"token {token} violates the request's output grammar")
+                self.retire(seq, f"token {tokens[-1]} violates the request's output grammar")
             else:
-                self._append_token(batch.seqs[row], token, lp)
+                self._append_tokens(seq, tokens, result.logprobs[first : first + num_accepted + 1], bool(draft))
+            first += len(draft) + 1
 
-    def _append_token(self, seq: Sequence, token: int, lp) -> None:
+    def _append_tokens(self, seq: Sequence, tokens: list[int], lps: list, drafted: bool) -> None:
+        """A step's tokens for ``seq`` (an accepted draft and the token after it), in one delta; the
+        output ends at the first that finishes it. Accepted draft tokens' KV was computed in the step."""
         if seq.status is not Status.RUNNING:  # aborted while its step ran
             return
+        delta = self._append_token(seq, tokens[0], lps[0])
+        for token, lp in zip(tokens[1:], lps[1:], strict=True):
+            if delta.finish_reason is not None:
+                break
+            delta.merge(self._append_token(seq, token, lp))
+        if drafted and delta.finish_reason is None:
+            seq.num_computed_tokens = len(seq) - 1
+            if self.enable_prefix_caching:
+                self.block_manager.commit(seq)
+            self.block_manager.shrink(seq)  # blocks that held only rejected draft tokens
+        self._send(seq, delta)
+
+    def _append_token(self, seq: Sequence, token: int, lp) -> Delta:
+        """Append one token: the reasoning budget, the stop checks; its delta."""
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
             self._release_siblings(seq)
@@ -115,12 +141,16 @@ class OutputProcessor:
         )
         if finish is not None:
             delta.metrics = _request_metrics(seq)
+            delta.num_draft_tokens, delta.num_accepted_tokens = seq.num_draft_tokens, seq.num_accepted_tokens
+        return delta
+
+    def _send(self, seq: Sequence, delta: Delta) -> None:
         try:
             seq.stream.send_nowait(delta)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
             self.retire(seq)  # the reader left
             return
-        if finish is not None:
+        if delta.finish_reason is not None:
             self.retire(seq)
 
     def _release_siblings(self, seq: Sequence) -> None:
@@ -153,6 +183,8 @@ class OutputProcessor:
         """The one way out of the engine (finished, aborted or failed): the choices not yet
         released end with it, with an error delta each when ``error`` is given; blocks are freed
         and the senders closed, after which nothing refers to the sequences."""
+        if self.speculator is not None and error is None:
+            self.speculator.finished(seq)
         for s in (seq, *seq.siblings):
             if error is not None:
                 with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):

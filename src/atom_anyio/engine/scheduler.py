@@ -7,6 +7,9 @@ free blocks allow. A running sequence that needs a block when none is free
 preempts the newest running sequence (recompute: its blocks are freed and it
 goes back to the head of the queue; its prefix is usually still cached).
 
+Speculative decoding: a running decode may take its last token and a draft (1 + d positions,
+``ScheduledBatch.drafts``); when blocks run short the draft is dropped before anyone is preempted.
+
 Async scheduling: the next step is scheduled while the step in flight runs. A
 sequence of that step is scheduled again only if ``runs_ahead`` (its next input
 is the token being sampled, which the worker fills in); it is never preempted
@@ -22,6 +25,7 @@ from dataclasses import dataclass, field
 from atom_anyio.engine.block_manager import BlockManager
 from atom_anyio.engine.sampler import has_penalty
 from atom_anyio.engine.sequence import Sequence, Status
+from atom_anyio.engine.speculative import Speculator
 
 
 @dataclass
@@ -29,6 +33,7 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)  # decodes first, then prefill chunks
     num_tokens: list[int] = field(default_factory=list)
     num_preempted: int = 0
+    drafts: dict[int, list[int]] = field(default_factory=dict)  # by seq_id: tokens verified after its last
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -36,9 +41,15 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(
-        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, prefix_caching: bool
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        prefix_caching: bool,
+        speculator: Speculator | None = None,
     ):
         self.bm = block_manager
+        self.speculator = speculator
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefix_caching = prefix_caching
@@ -57,6 +68,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
+        speculates = self.speculator is not None and self.speculator.is_active(len(self.running))
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -64,6 +76,10 @@ class Scheduler:
                 i += 1
                 continue
             n = min(seq.num_unscheduled_tokens, budget)
+            draft = self._draft(seq, budget) if speculates else []
+            if draft and self.bm.num_blocks_to_grow(seq, n + len(draft)) <= self.bm.num_free_blocks:
+                batch.drafts[seq.seq_id] = draft
+                n += len(draft)
             while (
                 self.bm.num_blocks_to_grow(seq, n) > self.bm.num_free_blocks and (victim := self._victim(i)) is not None
             ):
@@ -98,6 +114,11 @@ class Scheduler:
             budget -= n
         self._decodes_first(batch)
         return batch
+
+    def _draft(self, seq: Sequence, budget: int) -> list[int]:
+        """A draft for a decode (its last token is all it has left to compute), within the budget."""
+        is_decode = seq.num_uncomputed_tokens == 1 and not seq.num_scheduled_tokens
+        return self.speculator.propose(seq, budget - 1) if is_decode and budget > 1 else []
 
     def _victim(self, i: int) -> Sequence | None:
         """The newest running sequence after ``running[i]`` that is in no step in flight."""

@@ -40,12 +40,16 @@ class StepInput:
     # async scheduling: (flattened input row, sample row of the previous step) pairs: that input
     # token is the one the previous step sampled for that row (its input_ids entry is a placeholder)
     prev_tokens: list[tuple[int, int]] = field(default_factory=list)
+    # speculative decoding, one per sample row when any sequence has a draft (else empty): the draft
+    # tokens after its last input; the sampling inputs then have one row per position (1 + draft)
+    draft_token_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
 class StepOutput:
-    token_ids: list[int] = field(default_factory=list)  # one per sample row
+    token_ids: list[int] = field(default_factory=list)  # one per sample row (with drafts: per position)
     logprobs: list[Logprob | None] = field(default_factory=list)
+    num_accepted: list[int] = field(default_factory=list)  # with drafts: each sample row's accepted draft tokens
     error: str | None = None
     rejected: list[int] = field(default_factory=list)  # sample rows whose token their grammar refused
     prompt_logprobs: list[list[Logprob]] = field(default_factory=list)  # one list per StepInput.prompt_rows entry
@@ -63,11 +67,14 @@ def build_step(
     context_lens = []
     prompt_rows: list[PromptRows] = []
     prev_tokens: list[tuple[int, int]] = []
+    drafts: list[list[int]] = []
     for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens, strict=True)):
         start = seq.num_computed_tokens + seq.num_scheduled_tokens
         if seq.computes_prompt_logprobs and (rows := _prompt_rows(seq, row, len(input_ids), start, n)):
             prompt_rows.append(rows)
-        input_ids += seq.token_ids[start : start + n]
+        draft = batch.drafts.get(seq.seq_id, [])
+        input_ids += seq.token_ids[start : start + n - len(draft)]
+        input_ids += draft
         if seq.num_placeholders:  # its last input is the token the step in flight samples
             assert start + n == len(seq) + 1
             prev_tokens.append((len(input_ids), prev_rows[seq.seq_id]))
@@ -76,19 +83,12 @@ def build_step(
         context_lens.append(start + n)
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = time.monotonic()
-        if start + n == len(seq) + seq.num_placeholders and seq.max_tokens > 0:
+        if start + n - len(draft) == len(seq) + seq.num_placeholders and seq.max_tokens > 0:
             sample_rows.append(row)
             sampled.append(seq)
-    sampling = SamplingInputs(
-        params=[s.params for s in sampled],
-        prompt_token_ids=[s.prompt_token_ids for s in sampled]
-        if any(s.params.repetition_penalty != 1.0 for s in sampled)
-        else [[] for _ in sampled],
-        output_token_ids=[_output_token_ids(s) for s in sampled],
-        seeds=[s.seed for s in sampled],
-        eos_token_ids=eos_token_ids,
-        matchers=[s.active_matcher for s in sampled] if any(s.matcher is not None for s in sampled) else [],
-    )
+            drafts.append(draft)
+    if not any(drafts):
+        drafts = []
     return StepInput(
         input_ids=input_ids,
         positions=positions,
@@ -96,9 +96,28 @@ def build_step(
         context_lens=context_lens,
         query_lens=batch.num_tokens,
         sample_rows=sample_rows,
-        sampling=sampling,
+        sampling=_sampling_inputs(sampled, drafts, eos_token_ids),
         prompt_rows=prompt_rows,
         prev_tokens=prev_tokens,
+        draft_token_ids=drafts,
+    )
+
+
+def _sampling_inputs(
+    sampled: list[Sequence], drafts: list[list[int]], eos_token_ids: tuple[int, ...]
+) -> SamplingInputs:
+    """One row per sampling sequence; with drafts, one per position, each seeing the draft tokens
+    before it as generated (its seed's step, ``min_tokens``, penalties: as a plain decode there)."""
+    spans = [len(d) + 1 for d in drafts] if drafts else [1] * len(sampled)
+    rows = [(j, s, i) for j, (s, span) in enumerate(zip(sampled, spans, strict=True)) for i in range(span)]
+    penalised = any(s.params.repetition_penalty != 1.0 for s in sampled)
+    return SamplingInputs(
+        params=[s.params for _, s, _ in rows],
+        prompt_token_ids=[s.prompt_token_ids if penalised else [] for _, s, _ in rows],
+        output_token_ids=[_output_token_ids(s) + drafts[j][:i] if i else _output_token_ids(s) for j, s, i in rows],
+        seeds=[s.seed for _, s, _ in rows],
+        eos_token_ids=eos_token_ids,
+        matchers=[s.active_matcher for _, s, _ in rows] if any(s.matcher is not None for s in sampled) else [],
     )
 
 

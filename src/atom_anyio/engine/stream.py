@@ -46,6 +46,9 @@ class Delta:
     num_output_tokens: int = 0
     error: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    # on a choice's last delta, with speculative decoding: its draft tokens verified and accepted
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     # on a choice's first delta when the request asked for them: one per prompt token, None for the first
     prompt_logprobs: list[Logprob | None] | None = None
 
@@ -65,6 +68,8 @@ class Delta:
             self.finish_reason, self.stop_reason, self.error = new.finish_reason, new.stop_reason, new.error
         if new.metrics:
             self.metrics = new.metrics
+        self.num_draft_tokens = new.num_draft_tokens or self.num_draft_tokens
+        self.num_accepted_tokens = new.num_accepted_tokens or self.num_accepted_tokens
 
 
 class DeltaStream:

@@ -22,6 +22,7 @@ from atom_anyio.engine.cuda_graphs import DecodeGraphs
 from atom_anyio.engine.engine_config import EngineConfig
 from atom_anyio.engine.grammar import accept_tokens, apply_masks
 from atom_anyio.engine.sampler import INVALID_TOKEN, MIN_LOGPROB, Sampler
+from atom_anyio.engine.speculative import apply_draft_masks, draft_positions, verify
 from atom_anyio.engine.step import PromptRows, StepInput, StepOutput
 from atom_anyio.engine.stream import Logprob
 from atom_anyio.models.attention import AttentionMetadata, stage
@@ -113,7 +114,8 @@ class Worker:
             torch.set_num_threads(self.num_threads)
         t0 = time.perf_counter()
         graphs = self.graphs
-        every_row_samples = len(step.sample_rows) == len(step.query_lens) and not step.prompt_rows
+        one_row_each = not (step.prompt_rows or step.draft_token_ids)
+        every_row_samples = len(step.sample_rows) == len(step.query_lens) and one_row_each
         prompt_logprobs: list[list[Logprob]] = []
         if graphs and every_row_samples and graphs.fits(step.block_tables, step.context_lens, step.query_lens):
             logits = self.graphs.logits(self.host_input_ids(step), step.block_tables, step.context_lens)
@@ -123,17 +125,28 @@ class Worker:
         # with the sampled ids (the step's one host sync), before the grammar masks add their -inf
         finite = torch.isfinite(logits.amax(dim=-1))
         t1 = time.perf_counter()
-        matchers = step.sampling.matchers
-        rows = apply_masks(logits, matchers) if matchers else []
+        matchers, drafts = step.sampling.matchers, step.draft_token_ids
+        rows: list[int] = []
+        if matchers:
+            rows = apply_draft_masks(logits, matchers, drafts) if drafts else apply_masks(logits, matchers)
         out = self.sampler(logits, step.sampling, finite)
         if INVALID_TOKEN in out.token_ids:
             raise FloatingPointError("non-finite logits")
-        rejected = accept_tokens(matchers, rows, out.token_ids) if rows else []
+        num_accepted: list[int] = []
+        if drafts:
+            num_accepted, rejected = verify(drafts, out.token_ids, matchers)
+        else:
+            rejected = accept_tokens(matchers, rows, out.token_ids) if rows else []
         self.sampled = out.ids if out.ids is not None else torch.tensor(out.token_ids, device=self.device)
         t2 = time.perf_counter()
         timings = {"forward": t1 - t0, "sample": t2 - t1}
         return StepOutput(
-            out.token_ids, out.logprobs, rejected=rejected, timings=timings, prompt_logprobs=prompt_logprobs
+            out.token_ids,
+            out.logprobs,
+            num_accepted,
+            rejected=rejected,
+            timings=timings,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def forward(self, step: StepInput) -> tuple[torch.Tensor, list[list[Logprob]]]:
@@ -146,8 +159,10 @@ class Worker:
             input_ids[rows] = self.previous_sampled()[samples]
         positions = stage(torch.tensor(step.positions, dtype=torch.long), dev)
         hidden = self.model(input_ids, positions, meta, self.kv_caches)
-        last = torch.tensor(step.query_lens).cumsum(0) - 1
-        logits = self.model.compute_logits(hidden[stage(last[step.sample_rows], dev)])
+        last = (torch.tensor(step.query_lens).cumsum(0) - 1)[step.sample_rows]
+        if step.draft_token_ids:  # every position of a draft, and the one after it
+            last = torch.tensor(draft_positions(last.tolist(), step.draft_token_ids))
+        logits = self.model.compute_logits(hidden[stage(last, dev)])
         return logits, self.prompt_logprobs(hidden, step.prompt_rows) if step.prompt_rows else []
 
     def previous_sampled(self) -> torch.Tensor:

@@ -88,6 +88,27 @@ class VllmEngineCollector(Collector):
             family = kind(name, doc, labels=VLLM_LABELS)
             family.add_metric(self.labels, value)
             yield family
+        if engine.speculator is not None:
+            yield from self._spec_decode(engine.speculator)
+
+    def _spec_decode(self, spec: Any) -> Iterator[Metric]:
+        """Speculative decoding's counters, as vLLM's SpecDecodingProm names them."""
+        for name, doc, value in (
+            ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", spec.num_drafts),
+            ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", spec.num_draft_tokens),
+            ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", spec.num_accepted_tokens),
+        ):
+            family = CounterMetricFamily(name, doc, labels=VLLM_LABELS)
+            family.add_metric(self.labels, value)
+            yield family
+        per_pos = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft (speculative token) position.",
+            labels=[*VLLM_LABELS, "position"],
+        )
+        for position, value in enumerate(spec.num_accepted_per_pos):
+            per_pos.add_metric([*self.labels, str(position)], value)
+        yield per_pos
 
 
 class Admitting(Protocol):

@@ -1,0 +1,112 @@
+"""Draft tokens proposed on the host, without a model: the next tokens after the longest earlier
+match of the sequence's last tokens, in its own prompt and output (n-gram, vLLM's prompt lookup)
+or also in a bounded store of the model's recent outputs (suffix matching).
+
+    tokens  a b c d e b c d ?          the last n tokens "b c d" (n in [min, max], longest first)
+                  ^^^^^ matched        occur earlier, ending at e = 3 (the most recent such place)
+    draft         e b c d ...          the up to k tokens that followed it
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+
+import numpy as np
+
+SEPARATOR = -1  # between two outputs in the store's corpus: no match or draft crosses it
+
+
+def longest_match(hay: np.ndarray, pattern: np.ndarray, min_n: int, limit: int) -> tuple[int, int]:
+    """The longest suffix of ``pattern`` (at least ``min_n`` tokens) that occurs in ``hay`` ending
+    before index ``limit``, and where its most recent occurrence ends (exclusive); (0, -1) if none."""
+    ends = np.flatnonzero(hay[:limit] == pattern[-1])
+    length, best = 1, ends
+    for j in range(1, len(pattern)):
+        if not ends.size:
+            break
+        ends = ends[ends >= j]
+        ends = ends[hay[ends - j] == pattern[-1 - j]]
+        if ends.size:
+            length, best = j + 1, ends
+    if not best.size or length < min_n:
+        return 0, -1
+    return length, int(best[-1]) + 1
+
+
+def continuation(hay: np.ndarray, start: int, k: int) -> list[int]:
+    """Up to ``k`` tokens of ``hay`` from ``start``, stopping at a separator."""
+    out = hay[start : start + k]
+    cut = np.flatnonzero(out == SEPARATOR)
+    return (out[: cut[0]] if cut.size else out).tolist()
+
+
+def ngram_draft(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> tuple[int, list[int]]:
+    """vLLM's prompt lookup: the longest n in [min_n, max_n] whose last n tokens occur earlier in
+    ``tokens``, and the up to ``k`` tokens that followed their most recent earlier occurrence.
+    Returns (n, draft); (0, []) when nothing matches."""
+    if len(tokens) < 2 or k < 1:
+        return 0, []
+    pattern = tokens[-min(max_n, len(tokens) - 1) :]
+    n, start = longest_match(tokens, pattern, min_n, len(tokens) - 1)
+    return (n, continuation(tokens, start, k)) if n else (0, [])
+
+
+class SuffixStore:
+    """Recent outputs of one model, for suffix matching: at most ``max_requests`` outputs and
+    ``max_tokens`` tokens in all, least recently used (added or matched) out first. Its corpus
+    (the outputs joined by separators) is rebuilt only when an output is added or evicted, so its
+    memory is bounded by the two limits, whatever the number of requests served."""
+
+    def __init__(self, max_requests: int, max_tokens: int):
+        self.max_requests = max_requests
+        self.max_tokens = max_tokens
+        self.outputs: OrderedDict[int, np.ndarray] = OrderedDict()  # by insertion id, LRU first
+        self.num_tokens = 0
+        self._next_id = 0
+        self._corpus: tuple[np.ndarray, np.ndarray, list[int]] | None = None  # corpus, starts, ids
+
+    def add(self, output: list[int]) -> None:
+        if not output or len(output) > self.max_tokens or self.max_requests < 1:
+            return
+        self.outputs[self._next_id] = np.asarray(output, dtype=np.int64)
+        self._next_id += 1
+        self.num_tokens += len(output)
+        while len(self.outputs) > self.max_requests or self.num_tokens > self.max_tokens:
+            _, dropped = self.outputs.popitem(last=False)
+            self.num_tokens -= len(dropped)
+        self._corpus = None
+
+    def corpus(self) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        """Every output, each followed by a separator; each output's start; their ids."""
+        if self._corpus is None:
+            ids = list(self.outputs)
+            parts = [p for a in self.outputs.values() for p in (a, np.array([SEPARATOR]))]
+            corpus = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+            starts = np.cumsum([0, *(len(a) + 1 for a in self.outputs.values())])[:-1]
+            self._corpus = (corpus, starts, ids)
+        return self._corpus
+
+    def touch(self, position: int) -> None:
+        """The output holding ``position`` of the corpus was used: it is evicted last."""
+        _, starts, ids = self.corpus()
+        self.outputs.move_to_end(ids[int(np.searchsorted(starts, position, side="right")) - 1])
+
+
+def suffix_draft(
+    tokens: np.ndarray, store: SuffixStore, k: int, max_depth: int, spec_factor: float
+) -> tuple[int, list[int]]:
+    """Suffix matching over the sequence's own tokens and the store: the longer match wins (its
+    own on a tie), and a match of n tokens proposes at most ``ceil(spec_factor * n)`` of ``k``."""
+    if len(tokens) < 2 or k < 1:
+        return 0, []
+    pattern = tokens[-min(max_depth, len(tokens) - 1) :]
+    n, start = longest_match(tokens, pattern, 1, len(tokens) - 1)
+    hay = tokens
+    corpus, _, _ = store.corpus()
+    if corpus.size and (m := longest_match(corpus, tokens[-min(max_depth, len(tokens)) :], 1, len(corpus)))[0] > n:
+        (n, start), hay = m, corpus
+        store.touch(start - 1)
+    if not n:
+        return 0, []
+    return n, continuation(hay, start, min(k, math.ceil(spec_factor * n)))

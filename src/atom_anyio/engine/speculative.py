@@ -1,0 +1,211 @@
+"""Speculative decoding without a draft model: the settings (vLLM's ``speculative_config``), the
+host-side ``Speculator`` that proposes each step's drafts, and the verification rule.
+
+A sequence with a draft of d tokens is scheduled for 1 + d positions (its last token and the
+draft, like a small prefill chunk); the step makes logits at all of them and samples each one as
+a decode would at that point (the same processors and seeded noise: the position's generated
+count is its step). Draft token i is accepted while it equals the token sampled at position i;
+the first sampled token that differs (or the one after a fully accepted draft) is the bonus.
+
+For a deterministic draft (probability 1 on its token x) this is the standard rejection rule:
+x is accepted with probability p(x), and on a rejection the token comes from p with x removed
+and renormalised, because it is a sample of p conditioned on not being x. It gives the very
+tokens a plain decode gives, seeded runs included.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import xgrammar as xgr
+
+from atom_anyio.engine.proposers import SuffixStore, ngram_draft, suffix_draft
+from atom_anyio.settings import _json_object
+
+if TYPE_CHECKING:
+    from atom_anyio.engine.sequence import Sequence
+
+METHODS = ("ngram", "suffix")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's ``speculative_config`` for the draft-free methods, key for key (plus
+    ``suffix_decoding_max_cached_tokens``, the store's token bound)."""
+
+    method: str
+    num_speculative_tokens: int | None = None  # the most draft tokens a step verifies per sequence
+    prompt_lookup_min: int | None = None  # ngram: the shortest match that proposes
+    prompt_lookup_max: int | None = None  # ngram: the longest match tried
+    disable_by_batch_size: int | None = 8  # no drafts in a step with more running sequences than this
+    suffix_decoding_max_tree_depth: int = 24  # suffix: the longest match tried
+    suffix_decoding_max_cached_requests: int = 1000  # suffix: outputs kept in the store
+    suffix_decoding_max_cached_tokens: int = 262_144  # suffix: tokens kept in the store
+    suffix_decoding_max_spec_factor: float = 1.0  # suffix: a match of n tokens drafts at most factor * n
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative_config: method must be one of {', '.join(METHODS)}, not {self.method!r}")
+        k = self.num_speculative_tokens
+        if k is None and self.method == "ngram":
+            raise ValueError("speculative_config: num_speculative_tokens is required for method ngram")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        set_ = object.__setattr__  # defaults resolved as vLLM resolves them
+        set_(self, "num_speculative_tokens", self.suffix_decoding_max_tree_depth if k is None else k)
+        set_(self, "prompt_lookup_min", lo if lo is not None else hi if hi is not None else 5)
+        set_(self, "prompt_lookup_max", hi if hi is not None else self.prompt_lookup_min)
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
+            if (value := getattr(self, name)) is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"speculative_config: {name} must be a positive integer, not {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min}) "
+                f"is more than prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+        for name in ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_tokens"):
+            if not isinstance(value := getattr(self, name), int) or value < 1:
+                raise ValueError(f"speculative_config: {name} must be a positive integer, not {value!r}")
+        requests, factor = self.suffix_decoding_max_cached_requests, self.suffix_decoding_max_spec_factor
+        if not isinstance(requests, int) or requests < 0 or not isinstance(factor, int | float) or factor <= 0:
+            raise ValueError(
+                "speculative_config: suffix_decoding_max_cached_requests must be >= 0 "
+                "and suffix_decoding_max_spec_factor > 0"
+            )
+
+    @classmethod
+    def from_json(cls, text: str | dict[str, Any] | None) -> SpeculativeConfig | None:
+        """From the setting's JSON text (or its object); None for empty. Raises ValueError naming
+        a bad key or value."""
+        if not text:
+            return None
+        raw = text if isinstance(text, dict) else _json_object(text)
+        known = [f.name for f in fields(cls)]
+        for key in raw:
+            if key not in known:
+                raise ValueError(f"speculative_config: unknown key {key!r} (known: {', '.join(known)})")
+        if "method" not in raw:
+            raise ValueError(f"speculative_config: method is required (one of {', '.join(METHODS)})")
+        return cls(**raw)
+
+
+def num_accepted(draft: list[int], sampled: list[int]) -> int:
+    """The rule: draft tokens accepted, the longest prefix of ``draft`` equal to the tokens sampled
+    at its positions (``sampled`` has one more, the bonus)."""
+    n = 0
+    while n < len(draft) and draft[n] == sampled[n]:
+        n += 1
+    return n
+
+
+class Speculator:
+    """Proposes each step's drafts on the host and adapts each sequence's draft length to its
+    acceptance; counts drafts and acceptance (per position too) for the metrics."""
+
+    def __init__(self, cfg: SpeculativeConfig):
+        self.cfg = cfg
+        self.max_tokens = cfg.num_speculative_tokens
+        self.store = (
+            SuffixStore(cfg.suffix_decoding_max_cached_requests, cfg.suffix_decoding_max_cached_tokens)
+            if cfg.method == "suffix"
+            else None
+        )
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_accepted_per_pos = [0] * self.max_tokens
+
+    def is_active(self, num_running: int) -> bool:
+        """Speculation steps aside when the batch is large enough that verifying costs throughput."""
+        limit = self.cfg.disable_by_batch_size
+        return limit is None or num_running <= limit
+
+    def propose(self, seq: Sequence, limit: int) -> list[int]:
+        """Up to ``limit`` draft tokens to follow ``seq`` (a decode), never past its ``max_tokens``
+        or the context, nor where the next tokens depend on more than the model's choice."""
+        k = min(seq.num_speculative_tokens or self.max_tokens, limit, seq.max_tokens - seq.num_output_tokens - 1)
+        if k < 1 or seq.reasoning_budget is not None or (seq.matcher is not None and seq.grammar_gate):
+            return []
+        tokens = np.asarray(seq.token_ids, dtype=np.int64)
+        cfg = self.cfg
+        if self.store is None:
+            _, draft = ngram_draft(tokens, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        else:
+            max_depth, factor = cfg.suffix_decoding_max_tree_depth, cfg.suffix_decoding_max_spec_factor
+            _, draft = suffix_draft(tokens, self.store, k, max_depth, factor)
+        return within_grammar(seq.matcher, draft) if seq.matcher is not None else draft
+
+    def verified(self, seq: Sequence, num_draft: int, accepted: int) -> None:
+        """One draft's result: the counters, and the sequence's next draft length (one more after
+        a whole draft was accepted, else one past what was)."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += accepted
+        for i in range(accepted):
+            self.num_accepted_per_pos[i] += 1
+        seq.num_draft_tokens += num_draft
+        seq.num_accepted_tokens += accepted
+        k = seq.num_speculative_tokens or self.max_tokens
+        seq.num_speculative_tokens = min(self.max_tokens, k + 1) if accepted == num_draft else max(1, accepted + 1)
+
+    def finished(self, seq: Sequence) -> None:
+        if self.store is not None:
+            self.store.add(seq.output_token_ids)
+
+
+def within_grammar(matcher: Any, draft: list[int]) -> list[int]:
+    """The longest prefix of ``draft`` the grammar allows, short of the token that ends it (the step
+    masks the position after each draft token with the grammar's state there); the matcher is
+    left as it was."""
+    n, ends = 0, False
+    while n < len(draft) and not ends and matcher.accept_token(draft[n]):
+        n += 1
+        ends = matcher.is_terminated()
+    if n:
+        matcher.rollback(n)
+    return draft[: n - ends]
+
+
+# in the worker thread, a step with drafts: one sampled row per position, ``1 + len(draft)`` each
+
+
+def draft_positions(last_rows: list[int], drafts: list[list[int]]) -> list[int]:
+    """The flattened rows whose logits a step makes: for each sampling sequence (its last row),
+    its draft's positions and the one after them."""
+    return [r for last, draft in zip(last_rows, drafts, strict=True) for r in range(last - len(draft), last + 1)]
+
+
+def apply_draft_masks(logits: Any, matchers: list[Any], drafts: list[list[int]]) -> list[int]:
+    """Mask, in place, each constrained position with its grammar's state after the draft tokens
+    before it (``matchers``: one per position); returns the masked rows. The matchers end as they began."""
+    rows = [i for i, m in enumerate(matchers) if m is not None]
+    if not rows:
+        return rows
+    bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])
+    row = 0
+    for draft in drafts:
+        if (matcher := matchers[row]) is not None:
+            for i in range(len(draft) + 1):
+                matcher.fill_next_token_bitmask(bitmask, row + i)
+                if i < len(draft):
+                    assert matcher.accept_token(draft[i]), "a draft token its grammar forbids was not trimmed"
+            if draft:
+                matcher.rollback(len(draft))
+        row += len(draft) + 1
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
+    return rows
+
+
+def verify(drafts: list[list[int]], token_ids: list[int], matchers: list[Any]) -> tuple[list[int], list[int]]:
+    """Each draft's accepted length, and the sequences (by sample row) whose grammar refused a
+    token to append (cannot happen while the masks apply); advances each matcher by its tokens."""
+    accepted, rejected, row = [], [], 0
+    for j, draft in enumerate(drafts):
+        a = num_accepted(draft, token_ids[row : row + len(draft) + 1])
+        accepted.append(a)
+        matcher = matchers[row] if matchers else None
+        if matcher is not None and not all(matcher.accept_token(t) for t in token_ids[row : row + a + 1]):
+            rejected.append(j)
+        row += len(draft) + 1
+    return accepted, rejected
