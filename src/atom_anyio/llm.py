@@ -60,6 +60,7 @@ class LLM:
         attention_backend: str | None = None,
         tensor_parallel_size: int = 1,
         gguf_weights: str | None = None,
+        batch_invariant: bool | None = None,
         **engine_kwargs: Any,
     ):
         log_to_stderr_by_default()
@@ -68,7 +69,17 @@ class LLM:
         else:
             backend = attention_backend or env_setting("attention_backend")  # ATOM_ATTENTION_BACKEND
             gguf_weights = gguf_weights or env_setting("gguf_weights") or "auto"  # ATOM_GGUF_WEIGHTS
-            self.loaded = load_model(model, dtype, device, backend, tensor_parallel_size, gguf_weights=gguf_weights)
+            if batch_invariant is None:
+                batch_invariant = bool(env_setting("batch_invariant"))  # ATOM_BATCH_INVARIANT
+            self.loaded = load_model(
+                model,
+                dtype,
+                device,
+                backend,
+                tensor_parallel_size,
+                gguf_weights=gguf_weights,
+                batch_invariant=batch_invariant,
+            )
         self.engine = Engine(self.loaded, EngineConfig(**engine_kwargs, tensor_parallel_size=tensor_parallel_size))
         self.tokenizer = self.loaded.tokenizer
         self.prepare_ctx = PrepareContext.for_engine(

@@ -258,6 +258,7 @@ class MessagesRequest(MessagesInput):
     temperature: float | None = Field(None, ge=0, le=1)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0)
+    seed: int | None = None  # an extension (extra_body), as in the OpenAI formats: the same request, the same tokens
     metadata: Metadata | None = None
 
     @field_validator("stop_sequences")
@@ -280,6 +281,7 @@ class MessagesRequest(MessagesInput):
         return SamplingParams(
             **with_defaults(defaults, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k),
             max_tokens=self.max_tokens,
+            seed=self.seed,
             stop=list(self.stop_sequences),
             skip_special_tokens=not keep_special_tokens,
             reasoning_budget=self.thinking.budget_tokens if self.thinking and self.thinking.type == "enabled" else None,

@@ -93,6 +93,7 @@ def _sampling_params(rt: Runtime, req: ResponsesRequest) -> SamplingParams:
     return SamplingParams(
         **with_defaults(rt.loaded.generation_defaults, temperature=req.temperature, top_p=req.top_p),
         max_tokens=req.max_output_tokens,  # None: the rest of the context
+        seed=req.seed,
         skip_special_tokens=not rt.parser_spec.decodes_special_tokens(parse_tools=req.parses_tools),
     )
 

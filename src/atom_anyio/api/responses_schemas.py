@@ -117,6 +117,7 @@ class ResponsesRequest(Lenient):
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
+    seed: int | None = None  # vLLM's extension (extra_body): the same request, the same tokens
     truncation: Literal["disabled", "auto"] = "disabled"
     reasoning: ReasoningConfig | None = None
     text: TextConfig = Field(default_factory=TextConfig)

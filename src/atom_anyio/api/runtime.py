@@ -315,7 +315,13 @@ def _load(config: Config) -> LoadedModel:
     try:
         tp = config.engine.tensor_parallel_size
         return load_model(
-            config.model, config.dtype, config.device, config.attention_backend, tp, gguf_weights=config.gguf_weights
+            config.model,
+            config.dtype,
+            config.device,
+            config.attention_backend,
+            tp,
+            gguf_weights=config.gguf_weights,
+            batch_invariant=config.batch_invariant,
         )
     except (ValueError, FileNotFoundError) as exc:
         raise ConfigError(f"model {config.model or '(default)'}: {exc}") from None

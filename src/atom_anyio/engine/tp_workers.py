@@ -199,7 +199,9 @@ def main(fd: int, parent: int) -> int:
             torch.cuda.set_device(device)
         torch.set_num_threads(spec.num_threads)
         s = spec.source
-        loaded = load_model(s.path, s.dtype, device, s.attention_backend, spec.size, spec.rank, s.gguf_weights)
+        loaded = load_model(
+            s.path, s.dtype, device, s.attention_backend, spec.size, spec.rank, s.gguf_weights, s.batch_invariant
+        )
         worker = Worker(loaded.model, spec.num_blocks, spec.block_size, spec.num_threads)
     except Exception as exc:
         conn.send_bytes(pickle.dumps(f"{type(exc).__name__}: {exc}"))

@@ -47,6 +47,7 @@ class ModelSource:
     device: str
     attention_backend: str | None
     gguf_weights: str = "auto"
+    batch_invariant: bool = False
 
 
 @dataclass
@@ -145,13 +146,15 @@ def load_model(
     tensor_parallel_size: int = 1,
     rank: int = 0,
     gguf_weights: str = "auto",
+    batch_invariant: bool = False,
 ) -> LoadedModel:
     """Load a Hugging Face model directory or a ``.gguf`` file; ``None`` loads
     the default model. ``attention_backend``: see ``select_backend``. With
     ``tensor_parallel_size`` > 1, only ``rank``'s shard of the weights (models/tensor_parallel.py).
-    ``gguf_weights``: see ``gguf_layout``."""
+    ``gguf_weights``: see ``gguf_layout``. ``batch_invariant``: a sequence's logits do not depend on
+    the rest of the batch, its chunking or its prefix-cache hits (``CpuPagedAttention``)."""
     path = os.fspath(path) if path else default_model_path()
-    source = ModelSource(path, dtype, str(device), attention_backend, gguf_weights)
+    source = ModelSource(path, dtype, str(device), attention_backend, gguf_weights, batch_invariant)
     device = torch.device(device)
     resolved = resolve_dtype(dtype, device)
     layout = gguf_layout(gguf_weights, dtype == "auto", resolved, device)
@@ -171,12 +174,12 @@ def load_model(
     else:
         raise FileNotFoundError(f"model path {path!r} is neither a Hugging Face model directory nor a .gguf file")
     tp = TensorParallel(cfg, rank, tensor_parallel_size)
-    model = build_model(cfg, tp.shard_state(state), dtype, device, attention_backend, tp)
+    model = build_model(cfg, tp.shard_state(state), dtype, device, attention_backend, tp, batch_invariant)
     dense_copies = layout == "both" and (gguf_weights == "both" or dense_copy_fits(quant.dense_bytes(model)))
     if dense_copies:
         quant.add_dense_copies(model)
     packed_bytes = 0
-    if model.attention_backend.ops is CpuOps and dtype == torch.bfloat16 and can_pack_bf16():
+    if issubclass(model.attention_backend.ops, CpuOps) and dtype == torch.bfloat16 and can_pack_bf16():
         packed_bytes = pack_bf16_linears(model)
     log.info(
         "model.weights",
@@ -198,11 +201,13 @@ def build_model(
     device: torch.device,
     attention_backend: str | None = None,
     tp: TensorParallel | None = None,
+    batch_invariant: bool = False,
 ) -> LlamaForCausalLM:
     """Assign ``state`` (Hugging Face names; with ``tp``, already that rank's shard) into a
     model built without initializing weights; every weight must be given."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, select_backend(device, attention_backend, cfg.head_dim), tp)
+        backend = select_backend(device, attention_backend, cfg.head_dim, batch_invariant)
+        model = LlamaForCausalLM(cfg, backend, tp)
     state, missing_parts = pack_weights(
         stack_experts({k: v.to(device=device, dtype=dtype) for k, v in state.items()}, cfg.moe)
     )

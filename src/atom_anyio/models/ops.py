@@ -126,6 +126,42 @@ class CpuOps:
         return q, k
 
 
+class InvariantCpuOps(CpuOps):
+    """``CpuOps`` whose linears give a row the same bits whatever else the step holds (the
+    ``batch_invariant`` setting). Torch's GEMMs choose kernel and blocking by the row count
+    (measured on an AMX Xeon: bfloat16 blocks of 16 and 17 rows round differently from 64; float32
+    1-3 rows differently from 4+), so every linear runs on tiles of ``TILE_ROWS`` rows, the last
+    one padded with zeros, each through the GEMM of that one shape: one shape always runs one way,
+    and a row's sums do not depend on its place in the tile. No GEMV: a decode row runs as a tile
+    too (docs/engine.md, "Batch invariance", for what that costs)."""
+
+    name = "cpu_invariant"
+    TILE_ROWS = 16
+
+    @staticmethod
+    def linear(x: torch.Tensor, layer: torch.nn.Linear | quant.QuantLinear) -> torch.Tensor:
+        rows, tile = x.shape[0], InvariantCpuOps.TILE_ROWS
+        w = layer.weight
+        if rows == 0:
+            return x.new_empty(0, w.shape[0])
+        padded = rows + -rows % tile
+        if padded != rows:
+            x = torch.cat((x, x.new_zeros(padded - rows, x.shape[1])))
+        packed = getattr(layer, "packed_weight", None)
+        if packed is None and isinstance(w, QuantizedWeight) and w.dense is None:
+            return quant.cpu_linear_tiles(x.contiguous(), w, layer.bias, tile)[:rows]
+        if packed is not None:
+            run = lambda t: torch.ops.mkldnn._linear_pointwise(t, packed, layer.bias, "none", [], "")  # noqa: E731
+        else:
+            dense = w.dense if isinstance(w, QuantizedWeight) else w
+            run = lambda t: F.linear(t, dense, layer.bias)  # noqa: E731
+        if padded == tile:
+            return run(x)[:rows]
+        return torch.cat([run(x[i : i + tile]) for i in range(0, padded, tile)])[:rows]
+
+    lm_head = linear
+
+
 Ops = type[TorchOps] | type[CpuOps]
 
 

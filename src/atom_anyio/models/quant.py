@@ -234,6 +234,23 @@ def cpu_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -
     return (out if bias is None else out + bias).contiguous()
 
 
+def cpu_linear_tiles(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None, tile: int) -> torch.Tensor:
+    """``cpu_linear``'s batched path for ``x`` in tiles of ``tile`` rows (its row count a multiple of
+    it): each slice of ``w`` is dequantized once and multiplied by every tile, each product a GEMM of
+    one shape per slice, so a row's result never depends on the other rows (``InvariantCpuOps``)."""
+    (n, k), m = w.shape, x.shape[0]
+    rows = slice_rows(k)
+    buffer = x.new_empty(min(rows, n), k)
+    out = x.new_empty(m // tile, n, tile)
+    for start in range(0, n, rows):
+        part = buffer[: min(rows, n - start)]
+        torch.ops.atom.dequantize(part, w.data[start : start + rows], w.qtype.value)
+        for t in range(0, m, tile):
+            out[t // tile, start : start + rows] = torch.mm(part, x[t : t + tile].t())
+    out = out.transpose(1, 2).contiguous().view(m, n)
+    return out if bias is None else out + bias
+
+
 @functools.cache
 def slice_rows(k: int) -> int:
     return max(64, SLICE_FLOATS // k // 64 * 64)

@@ -29,4 +29,5 @@ void dequantize_f32(float* out, const uint8_t* w, int64_t rows, int64_t K, int64
 // paged_attention.cpp (the torch op's implementation)
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start,
-                     int64_t block_size, double scale, int64_t sliding_window, const c10::optional<at::Tensor>& sinks);
+                     int64_t block_size, double scale, int64_t sliding_window, const c10::optional<at::Tensor>& sinks,
+                     int64_t partition = 0);

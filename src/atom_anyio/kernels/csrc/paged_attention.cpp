@@ -54,14 +54,16 @@ inline void stage_keys(const T* k, int64_t ld, int n, int D, float* kt) {
 }
 
 // Few rows (decodes) leave too few independent FMA chains to hide their latency, so rows under
-// RB / 2 keep a second set of accumulators (even and odd steps) and add them at the end.
-template <int NR>
-constexpr int num_sets = NR <= RB / 2 ? 2 : 1;
+// RB / 2 keep a second set of accumulators (even and odd steps) and add them at the end. Fixed
+// (batch-invariant) calls keep one set whatever the rows, so a row's sums never depend on how
+// many rows share its block.
+template <int NR, bool Fixed>
+constexpr int num_sets = !Fixed && NR <= RB / 2 ? 2 : 1;
 
 // s[r] = q[r] . k[j] for NR rows and the chunk's KW keys
-template <int NR>
+template <int NR, bool Fixed>
 inline void scores(const float* q, int D, const float* kt, V8 (*s)[2]) {
-  constexpr int A = num_sets<NR>;
+  constexpr int A = num_sets<NR, Fixed>;
   V8 acc[A][NR][2];
   for (int a = 0; a < A; ++a)
     for (int r = 0; r < NR; ++r) acc[a][r][0] = acc[a][r][1] = splat(0.f);
@@ -81,9 +83,9 @@ inline void scores(const float* q, int D, const float* kt, V8 (*s)[2]) {
 }
 
 // o[r] += sum_j p[r][j] v[j] for NR rows over n keys (p is zero past n)
-template <int NR>
+template <int NR, bool Fixed>
 inline void values(const float* p, const float* v, int64_t ldv, int n, int D, float* o) {
-  constexpr int A = num_sets<NR>;
+  constexpr int A = num_sets<NR, Fixed>;
   const int n_even = n & ~(A - 1);
   for (int d0 = 0; d0 < D; d0 += KW) {
     V8 acc[A][NR][2];
@@ -116,12 +118,12 @@ inline void values(const float* p, const float* v, int64_t ldv, int n, int D, fl
 }
 
 // one chunk of keys [key0, key0 + n) for NR rows: scores, online softmax, values
-template <int NR>
+template <int NR, bool Fixed>
 inline void rows_chunk(const float* q, int D, const float* kt, const float* v, int64_t ldv, int n, const int* qpos,
                        int key0, int window, float* m, float* l, float* o) {
   V8 s[NR][2];
   float p[NR * KW];
-  scores<NR>(q, D, kt, s);
+  scores<NR, Fixed>(q, D, kt, s);
   for (int r = 0; r < NR; ++r) {
     const int visible = std::min(n, qpos[r] - key0 + 1);  // causal: keys up to the row's own position
     V8 s0 = mask_from(s[r][0], visible), s1 = mask_from(s[r][1], visible - 8);
@@ -142,19 +144,19 @@ inline void rows_chunk(const float* q, int D, const float* kt, const float* v, i
     if (alpha != 1.f)
       for (int d = 0; d < D; d += 8) store(o + r * D + d, mul(load(o + r * D + d), splat(alpha)));
   }
-  values<NR>(p, v, ldv, n, D, o);
+  values<NR, Fixed>(p, v, ldv, n, D, o);
 }
 
-template <int NR = RB>
+template <bool Fixed, int NR = RB>
 inline void rows_dispatch(int rows, const float* q, int D, const float* kt, const float* v, int64_t ldv, int n,
                           const int* qpos, int key0, int window, float* m, float* l, float* o) {
   if constexpr (NR > 0) {
     if (rows >= NR) {
-      rows_chunk<NR>(q, D, kt, v, ldv, n, qpos, key0, window, m, l, o);
-      rows_dispatch<NR>(rows - NR, q + NR * D, D, kt, v, ldv, n, qpos + NR, key0, window, m + NR, l + NR,
-                        o + NR * D);
+      rows_chunk<NR, Fixed>(q, D, kt, v, ldv, n, qpos, key0, window, m, l, o);
+      rows_dispatch<Fixed, NR>(rows - NR, q + NR * D, D, kt, v, ldv, n, qpos + NR, key0, window, m + NR, l + NR,
+                               o + NR * D);
     } else {
-      rows_dispatch<NR - 1>(rows, q, D, kt, v, ldv, n, qpos, key0, window, m, l, o);
+      rows_dispatch<Fixed, NR - 1>(rows, q, D, kt, v, ldv, n, qpos, key0, window, m, l, o);
     }
   }
 }
@@ -294,7 +296,7 @@ struct Unit {
 template <typename T>
 void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start, int64_t block_size,
-         double scale, int64_t sliding_window, const float* sinks) {
+         double scale, int64_t sliding_window, const float* sinks, int64_t partition) {
   const int H = q.size(1), D = q.size(2), KVH = k_cache.size(1), G = H / KVH;
   const int B = seq_lens.size(0), max_blocks = block_tables.size(1), BS = block_size;
   const int* tables = block_tables.data_ptr<int>();
@@ -322,16 +324,51 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
     }
   }
   const int num_units = units.size();
-  // too few units for the threads (a few long decodes): split the keys, merge afterwards
   const int threads = at::get_num_threads();
-  const int max_splits = std::max(1, (max_span + 511) / 512);
-  const int splits = std::min(max_splits, std::max(1, (4 * threads + num_units - 1) / num_units));
-  const int part = ((max_span + splits - 1) / splits + BS - 1) / BS * BS;
+  // The work items: each unit's keys, whole or in partitions whose partial results (unnormalised
+  // output, running max and sum) are merged afterwards (flash-decoding). By default the keys are
+  // split only when there are too few units for the threads (a few long decodes), evenly; with
+  // `partition` > 0 they are always split at its multiples, so that a row's sums never depend on
+  // the rest of the batch (batch-invariant), and always merged (a single partition merges to the
+  // same bits as no split).
+  const int fixed = int(partition);
+  struct Item {
+    int unit, key_lo, key_hi;
+  };
+  std::vector<Item> items;
+  std::vector<int> first_item(num_units + 1, 0);  // unit u's items: [first_item[u], first_item[u + 1])
+  bool merged;
+  if (fixed > 0) {
+    for (int ui = 0; ui < num_units; ++ui) {
+      first_item[ui] = items.size();
+      const Unit& u = units[ui];
+      for (int lo = u.key_lo; lo < u.key_hi; lo = (lo / fixed + 1) * fixed)
+        items.push_back({ui, lo, std::min(u.key_hi, (lo / fixed + 1) * fixed)});
+    }
+    merged = true;
+  } else {
+    const int max_splits = std::max(1, (max_span + 511) / 512);
+    const int splits = std::min(max_splits, std::max(1, (4 * threads + num_units - 1) / num_units));
+    const int part = ((max_span + splits - 1) / splits + BS - 1) / BS * BS;
+    for (int ui = 0; ui < num_units; ++ui) {
+      first_item[ui] = items.size();
+      const Unit& u = units[ui];
+      for (int split = 0; split < splits; ++split) {
+        const int lo = u.key_lo + split * part;  // past the unit's keys: an empty partial, skipped in the merge
+        items.push_back({ui, lo, std::min(u.key_hi, lo + part)});
+      }
+    }
+    merged = splits > 1;
+  }
+  first_item[num_units] = items.size();
   const int max_rows = tile * H;  // rows: kv head major, then query token, then head of the group
+  // one task per item when the units alone cannot keep the threads busy, else one per unit
+  // (its partitions in order, merged in the task: no partials kept for the whole step)
+  const bool per_item = merged && num_units < 4 * threads;
   std::vector<float> partial_o, partial_ml;
-  if (splits > 1) {
-    partial_o.assign(size_t(num_units) * splits * max_rows * D, 0.f);
-    partial_ml.assign(size_t(num_units) * splits * max_rows * 2, 0.f);
+  if (per_item) {
+    partial_o.assign(items.size() * max_rows * D, 0.f);
+    partial_ml.assign(items.size() * max_rows * 2, 0.f);
   }
   auto out_row = [&](const Unit& u, int nt, int r) {
     const int h = r / (nt * G), i = u.q_begin + (r / G) % nt, g = r % G;
@@ -341,21 +378,43 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
   auto sink_term = [&](int nt, int r, float mx) {
     return sinks ? std::exp(sinks[r / (nt * G) * G + r % G] - mx) : 0.f;
   };
+  // a unit's rows from its `count` partials (ml: [count][max_rows][2], o: [count][max_rows][D])
+  auto merge = [&](const Unit& u, int count, const float* ml, const float* po, float* acc) {
+    const int nt = u.q_end - u.q_begin;
+    for (int r = 0; r < nt * H; ++r) {
+      float mx = NEG_INF;
+      for (int s = 0; s < count; ++s) mx = std::max(mx, ml[(s * max_rows + r) * 2]);
+      std::fill(acc, acc + D, 0.f);
+      float sum = 0.f;
+      for (int s = 0; s < count; ++s) {
+        const size_t base = size_t(s) * max_rows + r;
+        const float ms = ml[base * 2];
+        if (ms == NEG_INF) continue;  // a partition past the row's causal bound
+        const float w = std::exp(ms - mx);
+        sum += w * ml[base * 2 + 1];
+        for (int d = 0; d < D; ++d) acc[d] += w * po[base * D + d];
+      }
+      T* dst = out_row(u, nt, r);
+      sum += sink_term(nt, r, mx);
+      const float inv = sum > 0.f ? 1.f / sum : 0.f;
+      for (int d = 0; d < D; ++d) dst[d] = T(acc[d] * inv);
+    }
+  };
 
-  at::parallel_for(0, int64_t(num_units) * splits, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qs(max_rows * D), o(max_rows * D), kt(D * KW), vb(KW * D), m(max_rows), l(max_rows);
+  const int64_t num_tasks = per_item ? int64_t(items.size()) : num_units;
+  at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qs(max_rows * D), o(max_rows * D), kt(D * KW), vb(KW * D), m(max_rows), l(max_rows), acc(D);
+    std::vector<float> unit_o, unit_ml;  // a unit's partials, when its task merges them
     std::vector<int> qpos(max_rows);
     constexpr bool is_bf16 = std::is_same_v<T, c10::BFloat16>;
 #ifdef ATOM_AVX512_BF16
     const bool native = is_bf16 && g_native;
     std::vector<uint32_t> qpairs(native ? max_rows * D / 2 : 0), kpairs(native ? D / 2 * 16 : 0);
 #endif
-    for (int64_t item = begin; item < end; ++item) {
-      const Unit& u = units[item / splits];
-      const int split = item % splits;
+    // rows' m, l, o over keys [key_lo, key_hi) of unit u
+    auto attend = [&](const Unit& u, int key_lo, int key_hi) {
       const int first_pos = lens[u.seq] - (qstart[u.seq + 1] - qstart[u.seq]);
       const int nt = u.q_end - u.q_begin, rows = nt * H, group_rows = nt * G;
-      const int key_lo = u.key_lo + split * part, key_hi = std::min(u.key_hi, key_lo + part);
       for (int r = 0; r < rows; ++r) {  // scaled, as float
         const int h = r / group_rows, i = u.q_begin + (r / G) % nt, g = r % G;
         const T* src = qp + (int64_t(qstart[u.seq] + i) * H + h * G + g) * D;
@@ -406,19 +465,44 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
             v = vb.data();
             ldv = D;
           }
-          rows_dispatch(group_rows, &qs[r0 * D], D, kt.data(), v, ldv, n, &qpos[r0], key0, window, &m[r0], &l[r0],
-                        &o[r0 * D]);
+          if (fixed > 0)
+            rows_dispatch<true>(group_rows, &qs[r0 * D], D, kt.data(), v, ldv, n, &qpos[r0], key0, window, &m[r0],
+                                &l[r0], &o[r0 * D]);
+          else
+            rows_dispatch<false>(group_rows, &qs[r0 * D], D, kt.data(), v, ldv, n, &qpos[r0], key0, window, &m[r0],
+                                 &l[r0], &o[r0 * D]);
         }
       }
-      if (splits > 1) {  // partial: unnormalised output, running max and sum
-        const size_t base = (size_t(item / splits) * splits + split) * max_rows;
-        std::copy(o.begin(), o.begin() + rows * D, partial_o.begin() + base * D);
-        for (int r = 0; r < rows; ++r) {
-          partial_ml[(base + r) * 2] = m[r];
-          partial_ml[(base + r) * 2 + 1] = l[r];
-        }
+    };
+    // a partial (unnormalised output, running max and sum) into ml/po at slot s
+    auto keep = [&](int rows, float* ml, float* po, int s) {
+      std::copy(o.begin(), o.begin() + rows * D, po + size_t(s) * max_rows * D);
+      for (int r = 0; r < rows; ++r) {
+        ml[(size_t(s) * max_rows + r) * 2] = m[r];
+        ml[(size_t(s) * max_rows + r) * 2 + 1] = l[r];
+      }
+    };
+    for (int64_t task = begin; task < end; ++task) {
+      if (per_item) {
+        const Item& it = items[task];
+        attend(units[it.unit], it.key_lo, it.key_hi);
+        keep((units[it.unit].q_end - units[it.unit].q_begin) * H, partial_ml.data(), partial_o.data(), int(task));
         continue;
       }
+      const Unit& u = units[task];
+      const int nt = u.q_end - u.q_begin, rows = nt * H, count = first_item[task + 1] - first_item[task];
+      if (merged) {
+        unit_o.resize(size_t(count) * max_rows * D);
+        unit_ml.resize(size_t(count) * max_rows * 2);
+        for (int s = 0; s < count; ++s) {
+          const Item& it = items[first_item[task] + s];
+          attend(u, it.key_lo, it.key_hi);
+          keep(rows, unit_ml.data(), unit_o.data(), s);
+        }
+        merge(u, count, unit_ml.data(), unit_o.data(), acc.data());
+        continue;
+      }
+      attend(u, items[first_item[task]].key_lo, items[first_item[task]].key_hi);
       for (int r = 0; r < rows; ++r) {
         T* dst = out_row(u, nt, r);
         const float sum = l[r] + sink_term(nt, r, m[r]);
@@ -427,30 +511,13 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
       }
     }
   });
-  if (splits == 1) return;
+  if (!per_item) return;
   at::parallel_for(0, num_units, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(D);
     for (int64_t ui = begin; ui < end; ++ui) {
-      const Unit& u = units[ui];
-      const int nt = u.q_end - u.q_begin;
-      for (int r = 0; r < nt * H; ++r) {
-        float mx = NEG_INF;
-        for (int s = 0; s < splits; ++s) mx = std::max(mx, partial_ml[((ui * splits + s) * max_rows + r) * 2]);
-        std::fill(acc.begin(), acc.end(), 0.f);
-        float sum = 0.f;
-        for (int s = 0; s < splits; ++s) {
-          const size_t base = (ui * splits + s) * max_rows + r;
-          const float ms = partial_ml[base * 2];
-          if (ms == NEG_INF) continue;  // a split past the row's causal bound
-          const float w = std::exp(ms - mx);
-          sum += w * partial_ml[base * 2 + 1];
-          for (int d = 0; d < D; ++d) acc[d] += w * partial_o[base * D + d];
-        }
-        T* dst = out_row(u, nt, r);
-        sum += sink_term(nt, r, mx);
-        const float inv = sum > 0.f ? 1.f / sum : 0.f;
-        for (int d = 0; d < D; ++d) dst[d] = T(acc[d] * inv);
-      }
+      const size_t first = first_item[ui];
+      merge(units[ui], first_item[ui + 1] - first_item[ui], partial_ml.data() + first * max_rows * 2,
+            partial_o.data() + first * max_rows * D, acc.data());
     }
   });
 }
@@ -468,10 +535,13 @@ struct PagedAttention {
 // out[t, h] = softmax(q[t, h] . K^T * scale) V over the causal context of
 // t's sequence (its last sliding_window keys when sliding_window > 0), K and
 // V read from the paged cache through block_tables. sinks (float32 [H]):
-// one logit per head that joins the softmax denominator only.
+// one logit per head that joins the softmax denominator only. partition > 0:
+// the keys are split at its multiples whatever the batch, so each row's
+// result is the same bits alone, batched, or in any prefill chunk.
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start,
-                     int64_t block_size, double scale, int64_t sliding_window, const c10::optional<at::Tensor>& sinks) {
+                     int64_t block_size, double scale, int64_t sliding_window, const c10::optional<at::Tensor>& sinks,
+                     int64_t partition) {
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "paged_attention: q, out and the caches must be contiguous");
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "paged_attention: heads must be a multiple of kv heads");
@@ -480,6 +550,8 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
                   query_start.scalar_type() == at::kInt,
               "paged_attention: block_tables, seq_lens and query_start must be int32");
   TORCH_CHECK(sliding_window >= 0, "paged_attention: sliding_window must be >= 0 (0: none)");
+  TORCH_CHECK(partition >= 0 && partition % KW == 0 && partition % block_size == 0,
+              "paged_attention: partition must be 0 (adaptive) or a multiple of 16 and of block_size");
   const float* sink_logits = nullptr;
   if (sinks.has_value()) {
     TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->numel() == q.size(1),
@@ -487,7 +559,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
     sink_logits = sinks->data_ptr<float>();
   }
   dispatch<PagedAttention>(q.scalar_type(), "paged_attention", out, q, k_cache, v_cache, block_tables, seq_lens,
-                           query_start, block_size, scale, sliding_window, sink_logits);
+                           query_start, block_size, scale, sliding_window, sink_logits, partition);
 }
 
 // the variants this build runs beyond the portable (AVX2 or plain) code, by name
@@ -510,7 +582,7 @@ TORCH_LIBRARY(atom, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor seq_lens, Tensor query_start, int block_size, float scale, int sliding_window=0, "
-      "Tensor? sinks=None) -> ()");
+      "Tensor? sinks=None, int partition=0) -> ()");
   m.def("native_kernels() -> str[]", &native_kernels);
   m.def("set_native_kernels(bool enabled) -> bool", &set_native_kernels);
 }

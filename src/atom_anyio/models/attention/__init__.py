@@ -74,20 +74,37 @@ log = structlog.get_logger("atom_anyio.engine")
 BACKENDS = ("auto", "cpu", "cpu_paged", "torch", "triton", "flashinfer", "aiter")
 
 
-def select_backend(device: torch.device, name: str | None = None, head_dim: int | None = None) -> AttentionBackend:
+def select_backend(
+    device: torch.device, name: str | None = None, head_dim: int | None = None, batch_invariant: bool = False
+) -> AttentionBackend:
     """The attention backend for ``device``: ``name``, else ``auto``: the first of ``auto_candidates(device)`` that runs there, each
     fallback logged. An explicitly named backend that cannot run is a one-line
-    error, never a silent fallback."""
+    error, never a silent fallback. ``batch_invariant``: the CPU kernel's invariant form, on the CPU only."""
     name = name or "auto"
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, not {name!r}")
     device = torch.device(device)
-    if name == "auto":
+    if batch_invariant:
+        backend = invariant_backend(device, name)
+    elif name == "auto":
         backend = first_that_runs(auto_candidates(device), device, head_dim)
     else:
         backend = load_backend(name, device, head_dim)
-    log.info("attention.backend", backend=backend.name, requested=name, device=str(device))
+    log.info(
+        "attention.backend", backend=backend.name, requested=name, device=str(device), batch_invariant=batch_invariant
+    )
     return backend
+
+
+def invariant_backend(device: torch.device, name: str) -> CpuPagedAttention:
+    """The batch-invariant backend: the CPU kernel for every row, fixed key partitions, tiled linears."""
+    if device.type != "cpu":
+        raise ValueError(f"batch_invariant runs on the CPU (the project's own kernels), not on {device}")
+    if name not in ("auto", "cpu", "cpu_paged"):
+        raise ValueError(f"batch_invariant runs on the cpu attention backend, not {name!r}")
+    if (error := kernels.load_cpu_kernels()) is not None:
+        raise RuntimeError(f"batch_invariant needs the CPU kernels, which are unavailable: {error}")
+    return CpuPagedAttention(batch_invariant=True)
 
 
 def first_that_runs(candidates: tuple[str, ...], device: torch.device, head_dim: int | None) -> AttentionBackend:

@@ -8,19 +8,26 @@ import math
 import torch
 
 from atom_anyio.models.attention.metadata import AttentionMetadata
-from atom_anyio.models.ops import CpuOps
+from atom_anyio.models.ops import CpuOps, InvariantCpuOps
+
+INVARIANT_PARTITION = 512  # keys per partition of a batch-invariant call (a multiple of the block size)
 
 
 class CpuPagedAttention:
     """Decodes through the C++ kernel, reading the paged KV in place (split over the keys
     when there are few sequences); prefill chunks through ``PrefillChunk.attend``, or with
-    ``paged_prefill`` through the kernel too, in the same call as the decodes."""
+    ``paged_prefill`` through the kernel too, in the same call as the decodes.
 
-    ops = CpuOps
+    ``batch_invariant``: every row through the kernel, its keys split at fixed multiples of
+    ``INVARIANT_PARTITION`` whatever the batch, and the model's linears in fixed tiles
+    (``InvariantCpuOps``): a sequence's logits are the same bits alone or batched, in one prefill or
+    in chunks, computed or taken from the prefix cache."""
 
-    def __init__(self, paged_prefill: bool = False):
-        self.paged_prefill = paged_prefill
-        self.name = "cpu_paged" if paged_prefill else "cpu"
+    def __init__(self, paged_prefill: bool = False, batch_invariant: bool = False):
+        self.paged_prefill = paged_prefill or batch_invariant
+        self.batch_invariant = batch_invariant
+        self.ops = InvariantCpuOps if batch_invariant else CpuOps
+        self.name = "cpu_paged" if self.paged_prefill else "cpu"
 
     def runs_in_kernel(self, meta: AttentionMetadata) -> bool:
         """Whether the kernel runs the whole step (what the fused decoder, which has only the kernel, can match)."""
@@ -45,6 +52,7 @@ class CpuPagedAttention:
                 1.0 / math.sqrt(q.shape[-1]),
                 sliding_window or 0,
                 None if sinks is None else sinks.float().contiguous(),
+                math.lcm(INVARIANT_PARTITION, meta.block_size) if self.batch_invariant else 0,
             )
         if in_kernel < meta.num_seqs:
             for chunk in meta.prefill_chunks():

@@ -1,0 +1,163 @@
+"""``batch_invariant``: a sequence's logits are the same bits alone or batched, in one prefill or in
+chunks, computed or taken from the prefix cache, with async scheduling on or off; on every weight
+layout a CPU's ``auto`` picks (``CPU_COMBINATIONS``), whatever CPU the suite runs on."""
+
+from __future__ import annotations
+
+import math
+
+import gguf
+import pytest
+import torch
+import torch.nn.functional as F
+from support import CPU_COMBINATIONS
+from test_quant import random_quantized, tiny_chat_gguf  # noqa: F401, F811 (a fixture)
+
+from atom_anyio import LLM, SamplingParams, kernels
+from atom_anyio.models import quant
+from atom_anyio.models.attention import AttentionMetadata
+from atom_anyio.models.attention.cpu import INVARIANT_PARTITION
+from atom_anyio.models.ops import InvariantCpuOps, pack_bf16_linears
+from atom_anyio.models.quant import QuantLinear
+
+Q = gguf.GGMLQuantizationType
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cpu_kernels():
+    assert kernels.load_cpu_kernels() is None
+
+
+# the linears
+
+
+def linears(dtype: torch.dtype) -> dict[str, torch.nn.Module]:
+    """One linear layer of each kind ``InvariantCpuOps.linear`` runs: float weights, oneDNN's packed
+    bfloat16 copy, quantized blocks with and without their dense copy."""
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(96, 80, bias=True).to(dtype)
+    blocks, _ = random_quantized(80, 96, Q.Q4_1)
+    blocks = blocks.to(dtype=dtype)
+    layers = {"float": dense, "quantized": QuantLinear(blocks, has_bias=False)}
+    layers["quantized+dense"] = QuantLinear(blocks.with_dense(), has_bias=False)
+    if dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        packed = torch.nn.Sequential(torch.nn.Linear(96, 80, bias=True).to(dtype))
+        pack_bf16_linears(packed)
+        layers["packed"] = packed[0]
+    return layers
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_rows_linear_output_is_the_same_bits_in_any_batch_and_place(dtype):
+    x = torch.randn(70, 96).to(dtype)
+    for kind, layer in linears(dtype).items():
+        every = InvariantCpuOps.linear(x, layer)
+        assert every.is_contiguous(), kind  # the decoder views q, k and v in place
+        reference = F.linear(
+            x.float(), quant_or_dense(layer).float(), None if layer.bias is None else layer.bias.float()
+        )
+        assert torch.allclose(every.float(), reference, rtol=0.05, atol=0.05), kind
+        for begin, end in [(0, 1), (5, 6), (3, 7), (13, 30), (16, 32), (40, 70)]:
+            part = InvariantCpuOps.linear(x[begin:end], layer)
+            assert torch.equal(part, every[begin:end]), f"{kind}: rows {begin}:{end} differ from the same rows in 70"
+        assert InvariantCpuOps.linear(x[:0], layer).shape == (0, 80)
+
+
+def quant_or_dense(layer) -> torch.Tensor:
+    w = layer.weight
+    return w.dequantize(torch.float32) if isinstance(w, quant.QuantizedWeight) else w
+
+
+# the attention kernel
+
+
+def attention(q, k_cache, v_cache, contexts: list[int], queries: list[int], tables: list[list[int]], block_size: int):
+    """The kernel's batch-invariant output for one step: sequence ``i`` has ``contexts[i]`` keys in
+    the cache, the last ``queries[i]`` of them queried now (``q``'s rows, sequence after sequence)."""
+    meta = AttentionMetadata.build(tables, contexts, queries, block_size, torch.device("cpu"))
+    out = torch.empty_like(q)
+    partition = math.lcm(INVARIANT_PARTITION, block_size)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    tables_, lens, starts = meta.block_tables, meta.seq_lens, meta.query_start_loc
+    torch.ops.atom.paged_attention(
+        out, q, k_cache, v_cache, tables_, lens, starts, block_size, scale, 0, None, partition
+    )
+    return out
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "portable"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_kernel_gives_a_query_the_same_bits_alone_in_a_batch_or_in_a_chunk(dtype, native):
+    """A sequence of 1100 keys (three partitions) beside a short one: a query position's output as
+    a decode of that position (the short sequence decoding beside it), and inside prefill chunks of
+    several sizes that put it at different places in the kernel's tiles."""
+    torch.manual_seed(0)
+    heads, kv_heads, dim, bs = 6, 2, 32, 16
+    tables = [list(range(69)), list(range(69, 72))]
+    k_cache = torch.randn(72 * bs, kv_heads, dim).to(dtype)
+    v_cache = torch.randn(72 * bs, kv_heads, dim).to(dtype)
+    q_long, q_short = torch.randn(1100, heads, dim).to(dtype), torch.randn(1, heads, dim).to(dtype)
+    before = torch.ops.atom.set_native_kernels(native)
+    try:
+        positions = [0, 15, 511, 512, 700, 1099]
+        alone = {}
+        for p in positions:  # decodes lead a step
+            out = attention(torch.cat((q_long[p : p + 1], q_short)), k_cache, v_cache, [p + 1, 37], [1, 1], tables, bs)
+            alone[p] = out[0]
+        for chunk in (1100, 300, 64):
+            for begin in range(0, 1100, chunk):
+                end = min(1100, begin + chunk)
+                q = torch.cat((q_short, q_long[begin:end]))
+                out = attention(q, k_cache, v_cache, [37, end], [1, end - begin], tables[::-1], bs)[1:]
+                for p in positions:
+                    if begin <= p < end:
+                        assert torch.equal(out[p - begin], alone[p]), f"position {p} in the chunk [{begin}, {end})"
+    finally:
+        torch.ops.atom.set_native_kernels(before)
+
+
+# the engine, end to end
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tiny_chat_gguf):  # noqa: F811
+    """A seeded tiny Llama as a Q4_1 GGUF (kept quantized, or dequantized, by the combination)."""
+    return tiny_chat_gguf[Q.Q4_1]
+
+
+TARGET = [258 + (i * 7919) % 4 if i % 50 == 0 else 3 + (i * 131) % 250 for i in range(620)]  # past a partition
+OTHERS = [[3 + (i * j * 17) % 250 for i in range(5 + 23 * j)] for j in range(1, 16)]  # 15, some prefilling
+
+
+def outputs(llm: LLM, prompts: list[list[int]]) -> list:
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+    return [out.outputs[0] for out in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def same(a, b) -> bool:
+    return a.token_ids == b.token_ids and [(x.token_id, x.logprob, x.top) for x in a.logprobs] == [
+        (x.token_id, x.logprob, x.top) for x in b.logprobs
+    ]
+
+
+@pytest.mark.parametrize("combination", CPU_COMBINATIONS)
+def test_a_sequences_logits_do_not_depend_on_batch_chunks_cache_or_async(tiny_gguf, combination):
+    dtype, gguf_weights = CPU_COMBINATIONS[combination]
+
+    def llm(**engine):
+        return LLM(str(tiny_gguf), dtype=dtype, gguf_weights=gguf_weights, batch_invariant=True, **engine)
+
+    whole = llm(max_num_batched_tokens=2048)
+    alone = outputs(whole, [TARGET])[0]
+    for n in (1, 3, 15):
+        assert same(outputs(whole, [TARGET, *OTHERS[:n]])[0], alone), f"batched with {n} others"
+    assert same(outputs(whole, [TARGET])[0], alone), "a prefix-cache hit"
+    for budget, async_scheduling in [(48, False), (100, True), (2048, True)]:
+        chunked = llm(max_num_batched_tokens=budget, async_scheduling=async_scheduling)
+        assert same(outputs(chunked, [TARGET])[0], alone), f"chunks of {budget}, async {async_scheduling}"
+        assert same(outputs(chunked, [*OTHERS[:4], TARGET])[-1], alone), f"chunks of {budget} behind others"
+
+
+def test_batch_invariance_on_another_backend_is_a_one_line_error(tiny_gguf):
+    with pytest.raises(ValueError, match="batch_invariant runs on the cpu attention backend, not 'torch'"):
+        LLM(str(tiny_gguf), attention_backend="torch", batch_invariant=True)
