@@ -252,6 +252,35 @@ def test_bounded_json_strings_exclude_raw_control_characters(tiny_model):
     assert not xgr.GrammarMatcher(grammar).accept_string('"a\n')
 
 
+def accepts(grammar: xgr.CompiledGrammar, text: str, *, then_stops: bool = True) -> bool:
+    """Whether ``text`` is in the grammar, and (``then_stops``) the output may end right after it."""
+    matcher = xgr.GrammarMatcher(grammar)
+    return matcher.accept_string(text) and (not then_stops or matcher.accept_token(2))  # 2: the stop token
+
+
+def test_each_part_of_a_json_number_has_at_most_sixteen_digits(tiny_model):
+    grammars = Grammars(tiny_model.tokenizer, tiny_model.config.vocab_size, [2])
+    schema = {"type": "object", "properties": {"n": {"type": "number"}}, "required": ["n"]}
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    tag = forced_tool_calls_tag("hermes", [tool], parallel=False)
+    for spec, wrap in [
+        (StructuredOutputs("json", schema), '{{"n": {}}}'),
+        (StructuredOutputs("json", {"type": "integer", "minimum": 0}), "{}"),
+        (
+            StructuredOutputs("structural_tag", tag),
+            '<tool_call>\n{{"name": "f", "arguments": {{"n": {}}}}}\n</tool_call>',
+        ),
+    ]:
+        grammar = grammars.compile(spec)
+        assert accepts(grammar, wrap.format("9" * 16)) and not accepts(grammar, wrap.format("9" * 17))
+        if spec.value is schema:  # a fraction and an exponent too
+            assert accepts(grammar, wrap.format(f"-1.{'5' * 16}e-{'3' * 16}"))
+            assert not accepts(grammar, wrap.format(f"1.{'5' * 17}"))
+            assert not accepts(grammar, wrap.format(f"1e{'3' * 17}"))
+    digits = grammars.compile(StructuredOutputs("json", {"type": "string", "pattern": "^[0-9]*$"}))
+    assert accepts(digits, f'"{"7" * 40}"')  # a string's pattern is its own
+
+
 async def test_streamed_constrained_output_joins_to_valid_json(atom):
     schema = SCHEMAS[5]
     r = await atom.quart.test_client().post(
@@ -428,6 +457,32 @@ async def test_each_tool_format_grammar_round_trips_through_its_parser(tiny_mode
         content = parser.feed(text)[0] + parser.finish()[0]
         assert not content.strip(), text
         check_calls([{"function": {"name": c.name, "arguments": c.arguments}} for c in parser.calls])
+
+
+def test_forced_tool_calls_are_compact_json_and_may_end_after_any_complete_call(tiny_model):
+    grammars = Grammars(tiny_model.tokenizer, tiny_model.config.vocab_size, [2])
+    tag = forced_tool_calls_tag("hermes", TOOLS, parallel=True)
+    grammar = grammars.compile(StructuredOutputs("structural_tag", tag))
+    call = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'
+    assert accepts(grammar, call) and accepts(grammar, f"{call}\n{call}")
+    assert not accepts(grammar, call.replace('{"zone"', '{ "zone"'))
+    assert not accepts(grammar, call.replace('"zone": ', '"zone":\n'))
+    assert accepts(grammar, f"{call}\n")  # the newline after a call commits it to no other call
+    assert accepts(grammar, f"{call}\n{call}\n")
+    single = grammars.compile(
+        StructuredOutputs("structural_tag", forced_tool_calls_tag("hermes", TOOLS, parallel=False))
+    )
+    assert accepts(single, f"{call}\n") and not accepts(single, f"{call}\n{call}", then_stops=False)
+
+
+def test_a_structural_tag_that_sets_its_whitespace_keeps_it(tiny_model):
+    grammars = Grammars(tiny_model.tokenizer, tiny_model.config.vocab_size, [2])
+    content = {"type": "json_schema", "json_schema": TIME}
+    tag = {"type": "structural_tag", "format": {"type": "tag", "begin": "<t>", "content": content, "end": "</t>"}}
+    spaced = '<t>{ "zone": "CET" }</t>'
+    assert not accepts(grammars.compile(StructuredOutputs("structural_tag", tag)), spaced)
+    content["max_whitespace_cnt"] = 2
+    assert accepts(grammars.compile(StructuredOutputs("structural_tag", tag)), spaced)
 
 
 # reasoning: the grammar applies once the reasoning block closes

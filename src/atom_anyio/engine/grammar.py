@@ -103,7 +103,7 @@ class Grammars:
         if spec.kind == "json":
             return c.compile_grammar(_json_schema_ebnf(v if isinstance(v, str) else json.dumps(v)))
         if spec.kind == "json_object":  # an object, as OpenAI's json_object promises (not any JSON value)
-            return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            return c.compile_grammar(_json_schema_ebnf('{"type": "object"}'))
         if spec.kind == "regex":
             return c.compile_regex(v)
         if spec.kind == "choice":
@@ -119,7 +119,33 @@ class Grammars:
 # xgrammar 0.2.9 writes a length-bounded JSON string's characters as this class, which lets raw
 # control characters through (invalid JSON); its unbounded strings already exclude them
 _BOUNDED_STRING_CHARACTER = r"[^\"\\\r\n]"
-_JSON_STRING_CHARACTER = r"[^\0-\x1f\"\\]"
+_JSON_STRING_CHARACTER = r"[^\0-\x1f\"\\\r\n]"
+
+# The digits of each part of a JSON number (integer, fraction, exponent) a grammar allows: a double
+# keeps at most 17 significant digits and I-JSON's exact integers (RFC 7493) have at most 16, so a
+# longer run carries nothing a reader keeps, and an unbounded one lets a sampled model spend its
+# whole budget on one number. xgrammar writes such a run as `[0-9]*` after the leading digit, or
+# as a one-digit rule repeated `{1, -1}` (after a leading digit or not); quoted literals,
+# Regex("...") and character classes are left alone.
+MAX_NUMBER_DIGITS = 16
+_DIGIT_RULE = re.compile(r"^(\w+) ::= \(\(\[0-9\]\)\)$", re.MULTILINE)
+_EBNF_PIECE = re.compile(
+    r'(?P<star>\[0-9\]\*)|(?P<lead>\[1-9\] )?(?P<rule>\w+)\{1, -1\}|"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]'
+)
+
+
+def _bounded_numbers(ebnf: str) -> str:
+    """``ebnf`` with every digit run of a JSON number at most ``MAX_NUMBER_DIGITS`` long."""
+    digit_rules = set(_DIGIT_RULE.findall(ebnf))
+
+    def bound(m: re.Match[str]) -> str:
+        if m["star"]:
+            return f"[0-9]{{0, {MAX_NUMBER_DIGITS - 1}}}"
+        if m["rule"] in digit_rules:
+            return f"{m['lead'] or ''}{m['rule']}{{1, {MAX_NUMBER_DIGITS - bool(m['lead'])}}}"
+        return m[0]
+
+    return _EBNF_PIECE.sub(bound, ebnf)
 
 
 def _no_control_characters(grammar: xgr.Grammar) -> str:
@@ -129,12 +155,28 @@ def _no_control_characters(grammar: xgr.Grammar) -> str:
 # schema text -> EBNF, in front of the compiler's cache (keyed by the EBNF): a repeated schema skips the conversion
 @functools.lru_cache(maxsize=256)
 def _json_schema_ebnf(schema: str) -> str:
-    return _no_control_characters(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
+    """JSON from ``schema``, compact (no whitespace but the one space after ``,`` and ``:``, as
+    vLLM's ``disable_any_whitespace``): a sampled model cannot pad the object with whitespace."""
+    return _bounded_numbers(_no_control_characters(xgr.Grammar.from_json_schema(schema, any_whitespace=False)))
 
 
 @functools.lru_cache(maxsize=256)
 def _structural_tag_ebnf(tag: str) -> str:
-    return _no_control_characters(xgr.Grammar.from_structural_tag(tag))
+    return _no_control_characters(xgr.Grammar.from_structural_tag(json.dumps(_compact_json(json.loads(tag)))))
+
+
+def _compact_json(node: Any) -> Any:
+    """A structural tag whose plain JSON-schema contents are the compact JSON of ``_json_schema_ebnf``
+    (xgrammar's own allow whitespace, at least one character at a time); one that sets a
+    whitespace limit, another style or another option keeps xgrammar's reading."""
+    if isinstance(node, list):
+        return [_compact_json(value) for value in node]
+    if not isinstance(node, dict):
+        return node
+    is_plain = set(node) <= {"type", "json_schema", "style"} and node.get("style", "json") == "json"
+    if node.get("type") == "json_schema" and is_plain:
+        return {"type": "grammar", "grammar": _json_schema_ebnf(json.dumps(node["json_schema"]))}
+    return {key: _compact_json(value) for key, value in node.items()}
 
 
 def choice_ebnf(choices: Sequence[str]) -> str:

@@ -1,9 +1,10 @@
 """Forced tool calls as xgrammar structural tags, one per tool-call format this server parses.
 
 Each tag's output is exactly what the matching parser in ``tool_calls`` reads back: the call
-markup around arguments that the tool's JSON schema constrains. ``tool_choice: "required"``
-allows one call (or several, when parallel calls are on) of any of the tools; a named tool
-exactly one call of it.
+markup around arguments that the tool's JSON schema constrains (compact JSON, as every schema
+the grammar compiler reads). ``tool_choice: "required"`` allows one call (or several, when
+parallel calls are on) of any of the tools; a named tool exactly one call of it. The output may
+end after any complete call.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from collections.abc import Sequence
 from typing import Any
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
-MAX_WHITESPACE = 1  # consecutive whitespace characters between JSON tokens: a model cannot pad forever
 
 # format -> (before the calls, a call's opening before its name, after the name, call end,
 #            separator between calls, after the calls)
@@ -32,21 +32,23 @@ FORCEABLE_FORMATS = tuple(_JSON_FORMATS)
 def forced_tool_calls_tag(tool_format: str, tools: Sequence[dict[str, Any]], *, parallel: bool) -> dict[str, Any]:
     """A structural tag whose language is one or more calls of ``tools`` (chat-shaped
     ``{"type": "function", "function": {...}}``), one only unless ``parallel``."""
-    tags = [_call_tag(tool_format, tool["function"]) for tool in tools]
-    calls: dict[str, Any] = {
+    before, _, _, _, separator, after = _JSON_FORMATS[tool_format]
+    calls = {
         "type": "tags_with_separator",
-        "tags": tags,
-        "separator": _JSON_FORMATS[tool_format][4],
+        "tags": [_call_tag(tool_format, tool["function"]) for tool in tools],
+        "separator": separator,
         "at_least_one": True,
         "stop_after_first": not parallel,
     }
-    before, after = _JSON_FORMATS[tool_format][0::5]
-    if before or after:
-        calls = {
-            "type": "sequence",
-            "elements": [{"type": "const_string", "value": before}, calls, {"type": "const_string", "value": after}],
-        }
-    return {"type": "structural_tag", "format": calls}
+    # a whitespace separator may also end the calls: a model cannot tell the newline before another
+    # call from the one before it stops, and writing it must not commit it to another call
+    trailing = {"type": "optional", "content": _const(separator)} if separator.isspace() else None
+    elements = [e for e in (_const(before), calls, trailing, _const(after)) if e is not None]
+    return {"type": "structural_tag", "format": {"type": "sequence", "elements": elements}}
+
+
+def _const(text: str) -> dict[str, Any] | None:
+    return {"type": "const_string", "value": text} if text else None
 
 
 def _call_tag(tool_format: str, function: dict[str, Any]) -> dict[str, Any]:
@@ -56,6 +58,6 @@ def _call_tag(tool_format: str, function: dict[str, Any]) -> dict[str, Any]:
     return {
         "type": "tag",
         "begin": f"{open_}{json.dumps(name, ensure_ascii=False)}{mid}",
-        "content": {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": MAX_WHITESPACE},
+        "content": {"type": "json_schema", "json_schema": schema},
         "end": end,
     }
