@@ -137,14 +137,14 @@ async def test_a_malformed_call_comes_back_as_content(app):
     assert joined(chunks, "content") == malformed and chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
-async def test_text_before_a_call_is_content_and_a_cut_off_call_is_content(app):
+async def test_text_before_a_call_is_content_and_a_call_cut_before_its_name_is_dropped(app):
     with scripted(app, f"Let me look that up. {CALL}"):
         message = (await chat(app, tools=[WEATHER_TOOL], chat_template_kwargs=NO_THINKING))["choices"][0]["message"]
     assert message["content"] == "Let me look that up. " and len(message["tool_calls"]) == 1
-    with scripted(app, CALL):
-        choice = (await chat(app, tools=[WEATHER_TOOL], chat_template_kwargs=NO_THINKING, max_tokens=8))["choices"][0]
+    with scripted(app, f"Let me look that up. {CALL}"):
+        choice = (await chat(app, tools=[WEATHER_TOOL], chat_template_kwargs=NO_THINKING, max_tokens=12))["choices"][0]
     assert choice["finish_reason"] == "length" and "tool_calls" not in choice["message"]
-    assert CALL.startswith(choice["message"]["content"])
+    assert choice["message"]["content"] == "Let me look that up. "  # the cut markup is no content
 
 
 async def test_an_assistant_tool_call_and_its_result_render_through_the_template(app):
@@ -403,6 +403,57 @@ async def test_default_flags_sdk_clients_receive_structured_tool_calls_over_http
                     streamed = await stream.get_final_message()
             [use] = [b for b in streamed.content if b.type == "tool_use"]
             assert use.name == "get_weather" and use.input == json.loads(ARGUMENTS)
+
+
+CUT_AT = 28  # tokens of CALL: '...{"city": "Paris", "unit": "c'
+CUT_ARGUMENTS = '{"city": "Paris", "unit": "c'
+
+
+async def test_a_call_cut_by_max_tokens_is_a_cut_tool_call_in_every_api_never_content(smol):
+    """As OpenAI reports a truncated call: finish_reason length and the call with the arguments so
+    far; Responses an incomplete function_call item; Anthropic a tool_use block with what its JSON
+    holds. Streamed or not, the markup never reaches the text."""
+    import anthropic
+    import openai
+    from support import served_over_http
+
+    model = smol.runtime.model_name
+    async with served_over_http(smol) as base_url:
+        oa = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+        body = {"model": model, "messages": USER, "tools": [WEATHER_TOOL], "max_tokens": CUT_AT}
+        with scripted(smol, CALL):
+            first = await oa.chat.completions.create(**body)
+        [call] = first.choices[0].message.tool_calls
+        assert first.choices[0].finish_reason == "length" and first.choices[0].message.content is None
+        assert call.function.name == "get_weather" and call.function.arguments == CUT_ARGUMENTS
+        with scripted(smol, CALL):
+            chunks = [c async for c in await oa.chat.completions.create(**body, stream=True) if c.choices]
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == ""
+        deltas = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
+        assert deltas[0].function.name == "get_weather" and {t.index for t in deltas} == {0}
+        assert "".join(t.function.arguments or "" for t in deltas) == CUT_ARGUMENTS
+        assert chunks[-1].choices[0].finish_reason == "length"
+
+        tools = [{"type": "function", **WEATHER_TOOL["function"]}]
+        with scripted(smol, CALL):
+            response = await oa.responses.create(model=model, input="Weather?", tools=tools, max_output_tokens=CUT_AT)
+        assert response.status == "incomplete" and response.output_text == ""
+        [item] = response.output
+        assert item.type == "function_call" and item.status == "incomplete" and item.arguments == CUT_ARGUMENTS
+        await oa.close()
+
+        tools = [{"name": "get_weather", "input_schema": WEATHER_TOOL["function"]["parameters"]}]
+        async with anthropic.AsyncAnthropic(base_url=base_url, api_key="unused", max_retries=0) as an:
+            body = {"model": model, "max_tokens": CUT_AT, "messages": USER, "tools": tools}
+            with scripted(smol, CALL):
+                message = await an.messages.create(**body)
+            with scripted(smol, CALL):
+                async with an.messages.stream(**body) as stream:
+                    streamed = await stream.get_final_message()
+        for m in (message, streamed):
+            assert m.stop_reason == "max_tokens"
+            [use] = m.content
+            assert use.type == "tool_use" and use.name == "get_weather" and use.input == {"city": "Paris"}
 
 
 def test_smollm2_renders_tools_in_the_default_format(smollm2_path):

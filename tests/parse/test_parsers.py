@@ -321,6 +321,57 @@ def test_a_malformed_call_comes_back_as_content(fmt: str, text: str):
     assert parsed.content == text and parsed.complete == []
 
 
+def test_an_end_tag_inside_a_json_string_is_the_strings_text():
+    arguments = '{"note": "a</tool_call>b"}'
+    text = f'<tool_call>\n{{"name": "f", "arguments": {arguments}}}\n</tool_call>'
+    parsed = check_splits(ParserSpec(None, "hermes"), text)
+    assert parsed.complete == [("f", arguments)] and parsed.content == ""
+
+
+# a call the token budget cut: a call with the arguments so far, never markup in the content
+
+
+def run_cut(spec: ParserSpec, text: str) -> tuple[str, list]:
+    """``text`` fed in pieces, then finished as an output that ran out of tokens: the content and
+    (name, arguments, is_cut, joined argument deltas) of each call."""
+    parser = OutputParser(spec, False, parse_tools=True)
+    deltas = [parser.feed(text[i : i + 3]) for i in range(0, len(text), 3)] + [parser.finish(is_cut=True)]
+    content = "".join(d.content for d in deltas)
+    streamed: dict[int, str] = {}
+    for d in (t for delta in deltas for t in delta.tool_calls):
+        streamed[d.index] = streamed.get(d.index, "") + d.arguments
+    calls = [(c.name, c.arguments, c.is_cut, streamed[i]) for i, c in enumerate(parser.tool_calls)]
+    return content, calls
+
+
+@pytest.mark.parametrize(
+    ("fmt", "text", "cut_arguments"),
+    [
+        ("hermes", '<tool_call>\n{"name": "f", "arguments": {"city": "Os', '{"city": "Os'),
+        ("hermes", '<tool_call>\n{"name": "f", "arguments": {"city": "Oslo"}}\n</tool', '{"city": "Oslo"}'),
+        ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"a": [1, 2', '{"a": [1, 2'),
+        ("llama3_json", '{"name": "f", "parameters": {"a": tr', '{"a": tr'),
+        ("qwen3_coder", "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\nx", '{"a": 1'),
+    ],
+)
+def test_a_call_the_token_budget_cut_is_a_cut_call_with_its_arguments_so_far(fmt, text, cut_arguments):
+    content, calls = run_cut(ParserSpec(None, fmt), text)
+    assert content == "" and calls == [("f", cut_arguments, True, cut_arguments)]
+
+
+def test_after_complete_calls_the_cut_one_comes_last_and_a_nameless_one_is_dropped():
+    call = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+    content, calls = run_cut(ParserSpec(None, "hermes"), f'Checking.\n{call}\n{call}\n<tool_call>\n{{"na')
+    assert content == "Checking.\n" and calls == [("f", '{"a": 1}', False, '{"a": 1}')] * 2
+    content, calls = run_cut(ParserSpec(None, "hermes"), f'{call}\n<tool_call>\n{{"name": "g", "arguments": {{"b')
+    assert content == "" and calls[-1] == ("g", '{"b', True, '{"b')
+
+
+def test_llama3_json_cut_before_a_name_stays_content():
+    content, calls = run_cut(ParserSpec(None, "llama3_json"), '{"answer": 4')  # it need not be a call at all
+    assert content == '{"answer": 4' and calls == []
+
+
 def test_text_before_and_between_calls_is_content_and_waits_for_the_next_feed():
     call = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
     text = f"Let me check. {call}\nthen {call}\n"

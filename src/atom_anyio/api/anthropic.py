@@ -7,6 +7,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+import pydantic_core
 from quart import Blueprint
 
 from atom_anyio.api.anthropic_schemas import MessagesInput, MessagesRequest
@@ -16,7 +17,7 @@ from atom_anyio.api.http import new_id, parse_body, sse
 from atom_anyio.api.runtime import Runtime
 from atom_anyio.api.usage import Usage
 from atom_anyio.engine.stream import Delta, DeltaStream
-from atom_anyio.parse import OutputParser, ParsedDelta, ToolCallDelta
+from atom_anyio.parse import OutputParser, ParsedDelta, ToolCall, ToolCallDelta
 from atom_anyio.prompt.prepare import PreparedPrompt, tokenize_prompt
 
 Event = dict[str, Any]
@@ -90,7 +91,9 @@ class MessageEncoder:
         """One delta into the blocks; the events it makes (the last closes every block)."""
         self.last = d
         events = self.blocks.feed(d.text)
-        return events + self.blocks.finish() if d.finish_reason is not None else events
+        if d.finish_reason is None:
+            return events
+        return events + self.blocks.finish(is_cut=d.finish_reason == "length")
 
     def error_event(self, err: APIError) -> str:
         return sse(err.anthropic(), event="error")
@@ -131,6 +134,17 @@ class MessageEncoder:
         }
 
 
+def _input(call: ToolCall) -> Any:
+    """A tool_use block's input; of a call cut short, what its JSON so far holds (as the SDKs
+    read a stream's partial JSON)."""
+    if not call.is_cut:
+        return json.loads(call.arguments)
+    try:
+        return pydantic_core.from_json(call.arguments or "{}", allow_partial=True)
+    except ValueError:
+        return {}
+
+
 class ContentBlocks:
     """Engine text -> parsed output -> content blocks, returning the stream events that build them.
 
@@ -159,8 +173,8 @@ class ContentBlocks:
     def feed(self, text: str) -> list[Event]:
         return self._add(self.parser.feed(text))
 
-    def finish(self) -> list[Event]:
-        return self._add(self.parser.finish()) + self._close()
+    def finish(self, *, is_cut: bool) -> list[Event]:
+        return self._add(self.parser.finish(is_cut=is_cut)) + self._close()
 
     def _add(self, pd: ParsedDelta) -> list[Event]:
         events = self._thinking(pd.reasoning) if pd.reasoning else []
@@ -183,7 +197,7 @@ class ContentBlocks:
             if call is None:
                 self._malformed.append(len(self.blocks) - 1)
             else:
-                block["input"] = json.loads(call.arguments)
+                block["input"] = _input(call)
         self._kind = None
         return [*events, {"type": "content_block_stop", "index": len(self.blocks) - 1}]
 

@@ -142,7 +142,7 @@ class ChatEncoder(OpenAIEncoder):
 
     def _choice(self, c: Delta) -> dict[str, Any]:
         parser = self.new_parser()
-        parsed = parser.parse_all(c.text)
+        parsed = parser.parse_all(c.text, is_cut=c.finish_reason == "length")
         calls = parser.tool_calls
         message = {
             "role": "assistant",
@@ -175,7 +175,7 @@ class ChatEncoder(OpenAIEncoder):
         """One engine delta of one choice as chunks: its parsed text (and logprobs), then its finish."""
         parsed = parser.feed(d.text)
         if d.finish_reason is not None:
-            parsed += parser.finish()
+            parsed += parser.finish(is_cut=d.finish_reason == "length")
         chunks = []
         if parsed or d.logprobs and self.req.logprobs:
             chunks.append(self.chunk([self._delta_choice(d.index, wire_delta(parsed), d)]))

@@ -201,7 +201,7 @@ class ResponseEncoder:
                 if self.open is not None and self.open["type"] == "reasoning":
                     self.num_reasoning_tokens += len(d.token_ids)
                 finish = d.finish_reason
-        for event in self._parsed(self.parser.finish()):
+        for event in self._parsed(self.parser.finish(is_cut=finish == "length")):
             yield event
         if not self.output_index:  # nothing visible came out: still one (empty) message
             for event in self._open(_new_item("message")):

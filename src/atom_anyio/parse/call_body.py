@@ -22,7 +22,8 @@ class ToolCallDelta:
 class ToolCall:
     id: str
     name: str
-    arguments: str  # the complete JSON object text
+    arguments: str  # the complete JSON object text; the text so far when cut
+    is_cut: bool = False  # the output ran out of tokens inside the call (finish reason "length")
 
 
 def new_call_id() -> str:
@@ -35,21 +36,21 @@ class JsonExtent:
     def __init__(self) -> None:
         self.depth = 0
         self.max_depth = 0
-        self._in_string = False
+        self.is_in_string = False
         self._escape = False
 
     def feed(self, text: str) -> int | None:
         """The offset in ``text`` just past the value's end, or None if it has not ended."""
         for i, c in enumerate(text):
-            if self._in_string:
+            if self.is_in_string:
                 if self._escape:
                     self._escape = False
                 elif c == "\\":
                     self._escape = True
                 elif c == '"':
-                    self._in_string = False
+                    self.is_in_string = False
             elif c == '"':
-                self._in_string = True
+                self.is_in_string = True
             elif c in "{[":
                 self.depth += 1
                 self.max_depth = max(self.max_depth, self.depth)
@@ -84,6 +85,16 @@ class JsonCall:
     @property
     def is_announced(self) -> bool:
         return self.name is not None
+
+    @property
+    def is_in_string(self) -> bool:
+        """Inside one of the object's strings: text there, a tag's included, is the string's."""
+        return not self.is_complete and self._object.is_in_string
+
+    @property
+    def arguments_so_far(self) -> str:
+        """The argument text streamed so far (once announced)."""
+        return self.text[self._args_start : self._sent]
 
     def push(self, text: str) -> list[ToolCallDelta]:
         if self.is_complete:
@@ -181,9 +192,15 @@ class XmlCall:
         self._arguments: list[str] = []
         self._is_done = False
 
+    is_in_string = False  # no JSON strings in the markup: an end tag always ends the call
+
     @property
     def is_announced(self) -> bool:
         return self.name is not None
+
+    @property
+    def arguments_so_far(self) -> str:
+        return "".join(self._arguments)
 
     def push(self, text: str) -> list[ToolCallDelta]:
         self.text += text

@@ -143,8 +143,10 @@ class OutputParser:
         content, calls = self._tools.feed(content)
         return ParsedDelta(reasoning, content, merge_deltas(calls))
 
-    def finish(self) -> ParsedDelta:
-        """End of output: release held-back text; an unfinished or malformed call comes back as content."""
+    def finish(self, *, is_cut: bool = False) -> ParsedDelta:
+        """End of output: release held-back text; an unfinished or malformed call comes back as
+        content, unless ``is_cut`` (the output ran out of tokens): then the call it was in is a
+        call cut short (``ToolCall.is_cut``), its markup never content."""
         if self._harmony is not None:
             reasoning, content, calls = self._harmony.finish()
             return ParsedDelta(reasoning, content, merge_deltas(calls))
@@ -152,16 +154,16 @@ class OutputParser:
         if self._tools is None:
             return ParsedDelta(reasoning, content)
         content, calls = self._tools.feed(content)
-        rest, more = self._tools.finish()
+        rest, more = self._tools.finish(is_cut=is_cut)
         return ParsedDelta(reasoning, content + rest, merge_deltas(calls + more))
 
-    def parse_all(self, text: str) -> ParsedDelta:
-        """A whole output at once (non-streaming responses): ``feed(text) + finish()``."""
-        return self.feed(text) + self.finish()
+    def parse_all(self, text: str, *, is_cut: bool = False) -> ParsedDelta:
+        """A whole output at once (non-streaming responses): ``feed(text) + finish(is_cut=is_cut)``."""
+        return self.feed(text) + self.finish(is_cut=is_cut)
 
     @property
     def tool_calls(self) -> list[ToolCall]:
-        """The complete, well-formed calls so far."""
+        """The well-formed calls so far; after ``finish(is_cut=True)``, the cut call last."""
         calls = self._harmony or self._tools
         return list(calls.calls) if calls else []
 

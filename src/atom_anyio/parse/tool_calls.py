@@ -2,7 +2,9 @@
 
 Every parser announces a call with its name first, then streams its arguments as JSON text
 fragments that join to the call's arguments object. A call that turns out malformed (invalid
-JSON when it closes, unclosed at the end) comes back as content, never as an exception.
+JSON when it closes, unclosed at the end) comes back as content, never as an exception. A call
+the output's token budget cut is no markup to show: announced, it is a call whose arguments are
+the text so far (``ToolCall.is_cut``), as OpenAI reports one; cut before its name, it is dropped.
 """
 
 from __future__ import annotations
@@ -37,14 +39,17 @@ class ToolParser:
     it waits for the next feed and the text order (content, then calls) holds within one result.
     """
 
+    start_marks_a_call = True  # a start tag makes text a call; a cut one is markup, not content
+
     def __init__(self) -> None:
-        self.calls: list[ToolCall] = []  # complete, well-formed calls
+        self.calls: list[ToolCall] = []  # well-formed calls, and the call a cut output ended in
         self._buf = ""
         self._call: JsonCall | XmlCall | None = None
         self._raw = ""  # the text of the call being parsed: content again if it is malformed
         self._num_announced = 0
         self._after_call = False  # whitespace right after a call is dropped unless text follows
         self._is_final = False
+        self._is_cut = False  # the output ended at its token budget
 
     @classmethod
     def for_format(cls, name: str) -> ToolParser:
@@ -54,8 +59,9 @@ class ToolParser:
         self._buf += text
         return self._run()
 
-    def finish(self) -> tuple[str, list[ToolCallDelta]]:
-        self._is_final = True
+    def finish(self, *, is_cut: bool = False) -> tuple[str, list[ToolCallDelta]]:
+        """The end of the output; ``is_cut``: it ran out of tokens (finish reason ``length``)."""
+        self._is_final, self._is_cut = True, is_cut
         return self._run()
 
     def _run(self) -> tuple[str, list[ToolCallDelta]]:
@@ -75,6 +81,8 @@ class ToolParser:
     def _end_call(self, deltas: list[ToolCallDelta], *, is_closed: bool = True) -> tuple[str, list[ToolCallDelta]]:
         """The current call is over: keep it, or hand its text back as content if it is malformed."""
         assert self._call is not None
+        if self._is_cut and not is_closed and (self._call.is_announced or self.start_marks_a_call):
+            return self._cut_call(deltas)
         more, call = self._call.close() if is_closed else ([], None)
         if call is not None or self._call.is_announced:
             self._num_announced += 1
@@ -86,6 +94,13 @@ class ToolParser:
         self._after_call = True
         return "", deltas + more
 
+    def _cut_call(self, deltas: list[ToolCallDelta]) -> tuple[str, list[ToolCallDelta]]:
+        call, self._call, self._raw = self._call, None, ""
+        if call.is_announced:
+            self._num_announced += 1
+            self.calls.append(ToolCall(call.id, call.name, call.arguments_so_far, is_cut=True))
+        return "", deltas
+
     def _json_call_step(self) -> tuple[str, list[ToolCallDelta]] | None:
         """A JSON call that ends where its object closes (no close tag)."""
         assert isinstance(self._call, JsonCall)
@@ -94,7 +109,7 @@ class ToolParser:
         self._raw += buf[: len(buf) - len(self._call.rest)]
         self._buf, self._call.rest = self._call.rest, ""
         if self._call.is_complete or self._is_final:
-            return self._end_call(deltas)
+            return self._end_call(deltas, is_closed=self._call.is_complete)
         return ("", deltas) if buf else None
 
 
@@ -133,14 +148,18 @@ class _TaggedParser(ToolParser):
         return buf[:at], []
 
     def _call_step(self) -> tuple[str, list[ToolCallDelta]] | None:
-        """A call body that ends at ``end_tag``; unclosed at the end, it is malformed."""
+        """A call body that ends at ``end_tag`` (one inside a JSON string is the string's text);
+        unclosed at the end, it is malformed."""
         assert self._call is not None
         buf = self._buf
         end = buf.find(self.end_tag)
         if end >= 0:
             body, self._buf = buf[:end], buf[end + len(self.end_tag) :]
             self._raw += body + self.end_tag
-            return self._end_call(self._call.push(body))
+            deltas = self._call.push(body)
+            if self._call.is_in_string:
+                return "", deltas + self._call.push(self.end_tag)
+            return self._end_call(deltas)
         if self._is_final:
             self._raw, self._buf = self._raw + buf, ""
             return self._end_call(self._call.push(buf), is_closed=False)
@@ -213,6 +232,7 @@ class Llama3JsonParser(ToolParser):
     (``;``-separated for several), possibly after ``<|python_tag|>``; any other output is content."""
 
     python_tag = "<|python_tag|>"
+    start_marks_a_call = False  # any output may open with "{": cut before its name, it is content
 
     def __init__(self) -> None:
         super().__init__()
