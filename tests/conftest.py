@@ -4,8 +4,11 @@ that carries the SmolLM2 tokenizer and chat template."""
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
+import torch
+import transformers
 from support import write_tiny_llama
 
 from atom_anyio import kernels
@@ -22,6 +25,15 @@ def smollm2_path() -> str:
 @pytest.fixture(scope="session")
 def smollm2(smollm2_path: str) -> LoadedModel:
     return load_model(None)
+
+
+@pytest.fixture(scope="session")
+def smollm2_transformers(smollm2_path: str) -> transformers.PreTrainedModel:
+    """transformers' SmolLM2 from the same GGUF, float32: the exactness tests' reference, loaded once
+    (transformers dequantizes a GGUF in Python, several seconds a load). Copy it before changing it."""
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path), dtype=torch.float32
+    ).eval()
 
 
 @pytest.fixture(scope="session")

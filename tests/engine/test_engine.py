@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 import random
 import tracemalloc
@@ -69,16 +70,10 @@ def first_divergence_within_top_k(ours: list[int], our_top: list[set[int]], ref:
 
 
 @pytest.mark.slow
-def test_smollm2_bfloat16_greedy_matches_transformers_bfloat16_within_top5(smollm2_path):
-    import os
-
-    from transformers import AutoModelForCausalLM
-
+def test_smollm2_bfloat16_greedy_matches_transformers_bfloat16_within_top5(smollm2_transformers):
     from atom_anyio.models.loader import load_model
 
-    hf = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path), dtype=torch.bfloat16
-    ).eval()
+    hf = copy.deepcopy(smollm2_transformers).to(torch.bfloat16)  # what loading the GGUF in bfloat16 gives
     loaded = load_model(None, dtype="bfloat16")
     assert next(loaded.model.parameters()).dtype is torch.bfloat16
     tok = loaded.tokenizer
@@ -108,14 +103,8 @@ def test_smollm2_bfloat16_greedy_matches_transformers_bfloat16_within_top5(smoll
 
 
 @pytest.mark.slow
-def test_smollm2_greedy_equals_transformers(smollm2, smollm2_path):
-    import os
-
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path), dtype=torch.float32
-    ).eval()
+def test_smollm2_greedy_equals_transformers(smollm2, smollm2_transformers):
+    hf = smollm2_transformers
     tok = smollm2.tokenizer
     questions = [
         "What is the capital of France?",

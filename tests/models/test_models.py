@@ -397,7 +397,7 @@ def test_gguf_without_tokenizer_is_refused_by_load_model(tmp_path, gguf_families
 
 
 @pytest.mark.slow
-def test_default_model_loads_in_seconds_and_matches_transformers(smollm2_path):
+def test_default_model_loads_in_seconds_and_matches_transformers(smollm2_transformers):
     start = time.perf_counter()
     loaded = load_model(None)
     assert time.perf_counter() - start < 30
@@ -407,9 +407,7 @@ def test_default_model_loads_in_seconds_and_matches_transformers(smollm2_path):
 
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     prompt = list(loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path), dtype=torch.float32
-    ).eval()
+    hf = smollm2_transformers
     with torch.no_grad():
         ref = hf.generate(
             torch.tensor([prompt]), max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True
