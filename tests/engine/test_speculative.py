@@ -355,3 +355,21 @@ def test_counters_under_vllm_names_and_the_request_acceptance_on_its_last_delta(
     first = spec.num_accepted_per_pos[0]
     assert f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{label},position="0"}} {float(first)}' in text
     assert 0 < spec.num_accepted_per_pos[-1] <= first
+
+
+def test_suffix_draft_skips_a_store_match_with_nothing_after_it():
+    store = SuffixStore(10, 1000)
+    store.add([1, 2, 3])  # "1 2 3" ends this output: nothing to draft from it
+    assert suffix_draft(tokens(3, 9, 1, 2, 3), store, 4, 24, 4.0) == (1, [9, 1, 2, 3])
+
+
+def test_greedy_equal_at_two_tensor_parallel_ranks(tiny_model_dir, tiny_model, prompts, reference):
+    """The ranks run the same forward over the same rows, the draft positions included."""
+    llm = LLM(str(tiny_model_dir), dtype="float32", tensor_parallel_size=2, speculative_config=SUFFIX, **SMALL)
+    try:
+        spec = warm(llm, prompts[:2])
+        assert ids(llm, prompts[:2]) == [r.token_ids for r in reference[:2]]
+        assert spec.num_accepted_tokens > 0
+        assert all_blocks_free(llm)
+    finally:
+        llm.engine.worker.close()  # one tensor-parallel engine per process at a time

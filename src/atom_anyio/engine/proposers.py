@@ -104,9 +104,11 @@ def suffix_draft(
     n, start = longest_match(tokens, pattern, 1, len(tokens) - 1)
     hay = tokens
     corpus, _, _ = store.corpus()
-    if corpus.size and (m := longest_match(corpus, tokens[-min(max_depth, len(tokens)) :], 1, len(corpus)))[0] > n:
-        (n, start), hay = m, corpus
-        store.touch(start - 1)
+    if corpus.size:
+        m, after = longest_match(corpus, tokens[-min(max_depth, len(tokens)) :], 1, len(corpus))
+        if m > n and corpus[after] != SEPARATOR:  # a longer match with something after it
+            n, start, hay = m, after, corpus
+            store.touch(after - 1)
     if not n:
         return 0, []
     return n, continuation(hay, start, min(k, math.ceil(spec_factor * n)))
