@@ -23,7 +23,9 @@ from atom_anyio.engine.engine_config import EngineConfig
 from atom_anyio.engine.grammar import Constraint, Grammars
 from atom_anyio.engine.proposers import SuffixStore, ngram_draft, suffix_draft
 from atom_anyio.engine.request import EngineRequest
+from atom_anyio.engine.sequence import Sequence
 from atom_anyio.engine.speculative import SpeculativeConfig, Speculator, within_grammar
+from atom_anyio.engine.stream import DeltaStream
 from atom_anyio.obs.metrics import Metrics
 from atom_anyio.sampling_params import StructuredOutputs
 from atom_anyio.settings import ConfigError
@@ -373,3 +375,17 @@ def test_greedy_equal_at_two_tensor_parallel_ranks(tiny_model_dir, tiny_model, p
         assert all_blocks_free(llm)
     finally:
         llm.engine.worker.close()  # one tensor-parallel engine per process at a time
+
+
+def test_a_sequence_whose_drafts_are_rejected_backs_off_and_one_accepted_draft_resets_it(tiny_model):
+    spec = Speculator(SpeculativeConfig("ngram", 4, prompt_lookup_min=1))
+    seq = Sequence(EngineRequest([1, 2, 3, 1, 2], [], GREEDY, 40), DeltaStream(4).sender(), None)
+    assert spec.propose(seq, 8) == [3, 1, 2]
+    waits = []
+    for _ in range(3):
+        spec.verified(seq, 3, 0)
+        waits.append(next(n for n in range(20) if spec.propose(seq, 8)))  # steps without a draft
+    assert waits == [1, 2, 4]
+    spec.verified(seq, 3, 1)
+    assert seq.num_steps_without_draft == 0 and seq.num_speculative_tokens == 2
+    assert spec.propose(seq, 8) == [3, 1]

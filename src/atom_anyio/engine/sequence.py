@@ -77,9 +77,12 @@ class Sequence:
         self.num_prompt_logprobs = params.prompt_logprobs
         self.prompt_logprobs: list[Logprob | None] = [None] if params.prompt_logprobs is not None else []
         self.prompt_logprobs_sent = params.prompt_logprobs is None
-        # speculative decoding: the next draft's length (0: the most; it adapts to acceptance), and
-        # the request's draft tokens verified and accepted
+        # speculative decoding: the next draft's length (0: the most; it adapts to acceptance), steps
+        # to go without one (after drafts wholly rejected in a row), and the request's draft tokens
+        # verified and accepted
         self.num_speculative_tokens = 0
+        self.num_rejected_drafts = 0  # wholly rejected in a row
+        self.num_steps_without_draft = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         _alive.add(self)

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from atom_anyio.engine.sequence import Sequence
 
 METHODS = ("ngram", "suffix")
+MAX_STEPS_WITHOUT_DRAFT = 16
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,9 @@ class Speculator:
     def propose(self, seq: Sequence, limit: int) -> list[int]:
         """Up to ``limit`` draft tokens to follow ``seq`` (a decode), never past its ``max_tokens``
         or the context, nor where the next tokens depend on more than the model's choice."""
+        if seq.num_steps_without_draft:
+            seq.num_steps_without_draft -= 1
+            return []
         k = min(seq.num_speculative_tokens or self.max_tokens, limit, seq.max_tokens - seq.num_output_tokens - 1)
         if k < 1 or seq.reasoning_budget is not None or (seq.matcher is not None and seq.grammar_gate):
             return []
@@ -138,7 +142,9 @@ class Speculator:
 
     def verified(self, seq: Sequence, num_draft: int, accepted: int) -> None:
         """One draft's result: the counters, and the sequence's next draft length (one more after
-        a whole draft was accepted, else one past what was)."""
+        a whole draft was accepted, else one past what was). After n drafts wholly rejected in a
+        row it drafts nothing for 2^(n-1) steps (at most 16): a verifying step costs more than a
+        decode, and a sequence that is not repeating anything should not pay it every step."""
         self.num_drafts += 1
         self.num_draft_tokens += num_draft
         self.num_accepted_tokens += accepted
@@ -148,6 +154,9 @@ class Speculator:
         seq.num_accepted_tokens += accepted
         k = seq.num_speculative_tokens or self.max_tokens
         seq.num_speculative_tokens = min(self.max_tokens, k + 1) if accepted == num_draft else max(1, accepted + 1)
+        seq.num_rejected_drafts = 0 if accepted else seq.num_rejected_drafts + 1
+        if seq.num_rejected_drafts:
+            seq.num_steps_without_draft = min(MAX_STEPS_WITHOUT_DRAFT, 2 ** (seq.num_rejected_drafts - 1))
 
     def finished(self, seq: Sequence) -> None:
         if self.store is not None:
