@@ -367,6 +367,22 @@ def test_after_complete_calls_the_cut_one_comes_last_and_a_nameless_one_is_dropp
     assert content == "" and calls[-1] == ("g", '{"b', True, '{"b')
 
 
+@pytest.mark.parametrize(
+    ("fmt", "text"),
+    [
+        ("hermes", '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n<tool_'),
+        ("hermes", "<tool_"),
+        ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}, '),
+        ("mistral", "[TOOL_CALLS]"),
+        ("llama3_json", '{"name": "f", "parameters": {"a": 1}}; '),
+        ("llama3_json", '<|python_tag|>{"name": "f", "parameters": {"a": 1}};<|pyth'),
+    ],
+)
+def test_call_markup_the_budget_cut_is_dropped(fmt, text):
+    content, calls = run_cut(ParserSpec(None, fmt), text)
+    assert content == "" and calls == [("f", '{"a": 1}', False, '{"a": 1}')] * text.count('"name"')
+
+
 def test_llama3_json_cut_before_a_name_stays_content():
     content, calls = run_cut(ParserSpec(None, "llama3_json"), '{"answer": 4')  # it need not be a call at all
     assert content == '{"answer": 4' and calls == []

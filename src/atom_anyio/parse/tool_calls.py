@@ -131,7 +131,7 @@ class _TaggedParser(ToolParser):
             rest = self._buf.lstrip()
             if not self._is_final and tag.startswith(rest):
                 return None  # whitespace or part of a tag: wait to see what follows
-            if rest.startswith(tag) or not rest:
+            if rest.startswith(tag) or not rest or (self._is_cut and tag.startswith(rest)):
                 self._buf = rest  # another call or the end follows: the whitespace goes
             self._after_call = False
         buf = self._buf
@@ -141,6 +141,8 @@ class _TaggedParser(ToolParser):
             self._open()
             return "", []
         if at < 0:
+            if self._is_cut:  # the budget ended inside a start tag: markup, not content
+                buf = self._buf = buf[: len(buf) - partial_tag_len(buf, tag)]
             at = len(buf) - (0 if self._is_final else partial_tag_len(buf, tag))
             if at == 0:
                 return None
@@ -208,7 +210,7 @@ class MistralParser(_TaggedParser):
         if not rest or rest[0] not in self._expect:
             self._expect = None  # not a call list after all: its text so far is content
             raw, self._raw = self._raw, ""
-            return raw, []
+            return ("" if self._is_cut and not rest else raw), []  # unless the budget cut the list
         self._raw += self._buf[: len(self._buf) - len(rest)]
         if rest[0] == "{":
             self._buf, self._call, self._expect = rest, JsonCall(self._num_announced), ",]"
@@ -259,6 +261,9 @@ class Llama3JsonParser(ToolParser):
             return None
         self._state = "plain"  # not a call: the rest of the output is content
         raw, self._raw = self._raw, ""
+        if self._is_cut and self.python_tag.startswith(rest):  # the budget cut the calls' markup
+            self._buf = ""
+            return "", []
         return raw, []
 
     def _after_step(self, rest: str, skipped: str) -> tuple[str, list[ToolCallDelta]] | None:
