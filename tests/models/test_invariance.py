@@ -5,12 +5,14 @@ layout a CPU's ``auto`` picks (``CPU_COMBINATIONS``), whatever CPU the suite run
 from __future__ import annotations
 
 import math
+import shutil
 
 import gguf
 import pytest
 import torch
 import torch.nn.functional as F
 from support import CPU_COMBINATIONS
+from test_models_arch import random_hf_model
 from test_quant import random_quantized, tiny_chat_gguf  # noqa: F401, F811 (a fixture)
 
 from atom_anyio import LLM, SamplingParams, kernels
@@ -161,3 +163,11 @@ def test_a_sequences_logits_do_not_depend_on_batch_chunks_cache_or_async(tiny_gg
 def test_batch_invariance_on_another_backend_is_a_one_line_error(tiny_gguf):
     with pytest.raises(ValueError, match="batch_invariant runs on the cpu attention backend, not 'torch'"):
         LLM(str(tiny_gguf), attention_backend="torch", batch_invariant=True)
+
+
+def test_batch_invariance_of_a_mixture_of_experts_is_a_one_line_error(tmp_path, tiny_model_dir):
+    random_hf_model("mixtral").save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model_dir / name, tmp_path)
+    with pytest.raises(ValueError, match="batch_invariant does not cover mixture-of-experts models"):
+        LLM(str(tmp_path), dtype="float32", batch_invariant=True)

@@ -205,6 +205,8 @@ def build_model(
 ) -> LlamaForCausalLM:
     """Assign ``state`` (Hugging Face names; with ``tp``, already that rank's shard) into a
     model built without initializing weights; every weight must be given."""
+    if batch_invariant and cfg.moe is not None:
+        raise ValueError("batch_invariant does not cover mixture-of-experts models yet (torch runs their expert GEMMs)")
     with torch.device("meta"):
         backend = select_backend(device, attention_backend, cfg.head_dim, batch_invariant)
         model = LlamaForCausalLM(cfg, backend, tp)
