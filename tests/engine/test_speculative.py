@@ -389,3 +389,15 @@ def test_a_sequence_whose_drafts_are_rejected_backs_off_and_one_accepted_draft_r
     spec.verified(seq, 3, 1)
     assert seq.num_steps_without_draft == 0 and seq.num_speculative_tokens == 2
     assert spec.propose(seq, 8) == [3, 1]
+
+
+def test_no_draft_while_a_reasoning_budget_may_replace_tokens_or_near_max_tokens():
+    spec = Speculator(SpeculativeConfig("ngram", 4, prompt_lookup_min=1))
+    prompt = [1, 2, 3, 1, 2]
+    budgeted = SamplingParams(temperature=0, max_tokens=40, reasoning_budget=8)
+    thinking = EngineRequest(prompt, [], budgeted, 40, reasoning_end_ids=(7,))
+    assert thinking.reasoning_budget is not None
+    assert spec.propose(Sequence(thinking, DeltaStream(4).sender(), None), 8) == []
+    assert spec.propose(Sequence(EngineRequest(prompt, [], budgeted, 40), DeltaStream(4).sender(), None), 8)
+    near_end = Sequence(EngineRequest(prompt, [], GREEDY, 3), DeltaStream(4).sender(), None)
+    assert spec.propose(near_end, 8) == [3, 1]  # two more tokens after the next one, at most
