@@ -1,7 +1,7 @@
 """Constrained output ends (issue 24): the default model, SmolLM2-135M, sampled at temperature 1.0
 under forced tool calls and JSON schemas, through the official SDKs over real hypercorn, 20 seeds
-a check (the Responses and Anthropic APIs take no seed: 20 draws). Every check's samples run in
-one engine batch, once for the module; each test reads its own.
+a check (Responses and Anthropic take the seed as an extension, in ``extra_body``). Every check's
+samples run in one engine batch, once for the module; each test reads its own.
 
 The grammar leaves the model no whitespace to pad with and no number to run on, and lets it stop
 after any complete call. A string stays unbounded, so an output may still run out of tokens, but
@@ -112,7 +112,13 @@ async def responses(server: Server, seed: int, **body: Any) -> Calls:
     ]
     async with server.openai() as oa:
         out = await oa.responses.create(
-            model=server.model, input=QUESTION, tools=tools, temperature=1.0, max_output_tokens=100, **body
+            model=server.model,
+            input=QUESTION,
+            tools=tools,
+            temperature=1.0,
+            max_output_tokens=100,
+            extra_body={"seed": seed},
+            **body,
         )
     calls = [(item.name, item.arguments) for item in out.output if item.type == "function_call"]
     return Calls(out.status == "incomplete", out.output_text, calls)
@@ -126,7 +132,7 @@ async def messages(server: Server, seed: int, **body: Any) -> Calls:
             max_tokens=100,
             messages=[{"role": "user", "content": QUESTION}],
             tools=tools,
-            extra_body={"temperature": 1.0},  # this SDK version takes no temperature argument
+            extra_body={"temperature": 1.0, "seed": seed},  # this SDK version takes no temperature argument
             **body,
         )
     assert out.stop_reason in ("tool_use", "max_tokens"), out
@@ -158,7 +164,12 @@ async def chat_parse(server: Server, seed: int) -> Parsed:
 async def responses_parse(server: Server, seed: int) -> Parsed:
     async with server.openai() as oa:
         raw = await oa.responses.with_raw_response.parse(
-            model=server.model, input=CITY_PROMPT, text_format=City, temperature=1.0, max_output_tokens=300
+            model=server.model,
+            input=CITY_PROMPT,
+            text_format=City,
+            temperature=1.0,
+            max_output_tokens=300,
+            extra_body={"seed": seed},
         )
     body = json.loads(raw.http_response.text)
     try:
