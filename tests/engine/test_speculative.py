@@ -401,3 +401,9 @@ def test_no_draft_while_a_reasoning_budget_may_replace_tokens_or_near_max_tokens
     assert spec.propose(Sequence(EngineRequest(prompt, [], budgeted, 40), DeltaStream(4).sender(), None), 8)
     near_end = Sequence(EngineRequest(prompt, [], GREEDY, 3), DeltaStream(4).sender(), None)
     assert spec.propose(near_end, 8) == [3, 1]  # two more tokens after the next one, at most
+
+
+def test_speculation_is_off_beside_async_scheduling_and_says_so(tiny_model, caplog):
+    engine = Engine(tiny_model, EngineConfig(async_scheduling=True, speculative_config=SUFFIX, **SMALL))
+    assert engine.speculator is None and engine.scheduler.speculator is None
+    assert "spec_decode.off" in caplog.text and "async_scheduling" in caplog.text
