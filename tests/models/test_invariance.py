@@ -171,3 +171,23 @@ def test_batch_invariance_of_a_mixture_of_experts_is_a_one_line_error(tmp_path, 
         shutil.copy(tiny_model_dir / name, tmp_path)
     with pytest.raises(ValueError, match="batch_invariant does not cover mixture-of-experts models"):
         LLM(str(tmp_path), dtype="float32", batch_invariant=True)
+
+
+@pytest.mark.parametrize("combination", ["bfloat16+both", "bfloat16+packed"])
+def test_speculation_in_bfloat16_is_exact_with_batch_invariance(tiny_gguf, combination):
+    """A verifying step scores the draft as a small chunk; with batch_invariant its rows are a
+    plain decode's bits, so tokens and logprobs equal the run without speculation (without it,
+    bfloat16 outputs may part at a near tie, as a batch's may: docs/engine.md)."""
+    dtype, gguf_weights = CPU_COMBINATIONS[combination]
+    prompts = [TARGET[:200], OTHERS[3], OTHERS[9]]
+
+    def llm(**engine):
+        return LLM(str(tiny_gguf), dtype=dtype, gguf_weights=gguf_weights, batch_invariant=True, **engine)
+
+    plain = outputs(llm(), prompts)
+    speculating = llm(speculative_config={"method": "suffix", "num_speculative_tokens": 4})
+    outputs(speculating, prompts)  # the suffix store now holds these outputs: the second run drafts them
+    speculating.engine.speculator.num_accepted_tokens = 0
+    again = outputs(speculating, prompts)
+    assert speculating.engine.speculator.num_accepted_tokens > 0, "no draft was accepted: nothing was verified"
+    assert all(same(a, b) for a, b in zip(again, plain, strict=True))
