@@ -191,3 +191,13 @@ def test_speculation_in_bfloat16_is_exact_with_batch_invariance(tiny_gguf, combi
     again = outputs(speculating, prompts)
     assert speculating.engine.speculator.num_accepted_tokens > 0, "no draft was accepted: nothing was verified"
     assert all(same(a, b) for a, b in zip(again, plain, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "batch_invariant", "exact"),
+    [("float32", False, True), ("bfloat16", False, False), ("bfloat16", True, True)],
+)
+def test_speculation_says_at_start_whether_it_is_exact(tiny_gguf, caplog, dtype, batch_invariant, exact):
+    LLM(str(tiny_gguf), dtype=dtype, batch_invariant=batch_invariant, speculative_config={"method": "suffix"})
+    (line,) = [r.getMessage() for r in caplog.records if "spec_decode.on" in r.getMessage()]
+    assert f"'exact': {exact}" in line

@@ -63,7 +63,7 @@ class Engine:
         num_blocks = cfg.num_kv_blocks or self._num_pool_blocks(per_block, kv_pool_bytes(cfg, loaded.model))
         self.kv_events = KVEventPublisher(cfg.kv_events) if cfg.kv_events else None  # runs with run()
         self.block_manager = BlockManager(num_blocks, cfg.block_size, record_events=self.kv_events is not None)
-        self.speculator = _speculator(cfg)
+        self.speculator = _speculator(cfg, loaded)
         self.scheduler = Scheduler(
             self.block_manager,
             cfg.max_num_seqs,
@@ -277,7 +277,7 @@ class Engine:
             log.info("engine.preempted", num_seqs=batch.num_preempted, free_blocks=self.block_manager.num_free_blocks)
 
 
-def _speculator(cfg: EngineConfig) -> Speculator | None:
+def _speculator(cfg: EngineConfig, loaded: LoadedModel) -> Speculator | None:
     """Speculative decoding, where configured and where it runs: not beside async scheduling, whose
     step in flight would have to guess how many of a draft's tokens its successor starts after."""
     spec = cfg.speculative_config
@@ -286,7 +286,8 @@ def _speculator(cfg: EngineConfig) -> Speculator | None:
     if cfg.async_scheduling:
         log.warning("spec_decode.off", reason="async_scheduling", method=spec.method)
         return None
-    log.info("spec_decode.on", **dataclasses.asdict(spec))
+    exact = "float32" in loaded.model.dtype_name or getattr(loaded.model.attention_backend, "batch_invariant", False)
+    log.info("spec_decode.on", exact=exact, **dataclasses.asdict(spec))
     return Speculator(spec)
 
 
