@@ -142,7 +142,15 @@ def same(a, b) -> bool:
     ]
 
 
-@pytest.mark.parametrize("combination", CPU_COMBINATIONS)
+INVARIANT_COMBINATIONS = [c for c in CPU_COMBINATIONS if c != "float32+packed"]  # refused: see the next test
+
+
+def test_float32_over_kept_quantized_blocks_is_refused_in_one_line(tiny_gguf):
+    with pytest.raises(ValueError, match="batch_invariant does not cover float32 activations over kept-quantized"):
+        LLM(str(tiny_gguf), dtype="float32", gguf_weights="packed", batch_invariant=True)
+
+
+@pytest.mark.parametrize("combination", INVARIANT_COMBINATIONS)
 def test_a_sequences_logits_do_not_depend_on_batch_chunks_cache_or_async(tiny_gguf, combination):
     dtype, gguf_weights = CPU_COMBINATIONS[combination]
 

@@ -129,11 +129,14 @@ class CpuOps:
 class InvariantCpuOps(CpuOps):
     """``CpuOps`` whose linears give a row the same bits whatever else the step holds (the
     ``batch_invariant`` setting). Torch's GEMMs choose kernel and blocking by the row count
-    (measured on an AMX Xeon: bfloat16 blocks of 16 and 17 rows round differently from 64; float32
-    1-3 rows differently from 4+), so every linear runs on tiles of ``TILE_ROWS`` rows, the last
-    one padded with zeros, each through the GEMM of that one shape: one shape always runs one way,
-    and a row's sums do not depend on its place in the tile. No GEMV: a decode row runs as a tile
-    too (docs/engine.md, "Batch invariance", for what that costs)."""
+    (measured on an AMX Xeon: oneDNN's packed bfloat16 GEMM rounds rows differently at 48+ rows
+    than at 16 or 32; float32 1-3 rows differently from 4+), so every linear runs on tiles of
+    ``TILE_ROWS`` rows, the last one padded with zeros: bfloat16 tiles each through oneDNN's GEMM
+    of that one shape (one shape runs one way, and a row's sums do not depend on its place in the
+    tile); float32 rows and quantized blocks without a dense copy through the project's GEMVs, four
+    rows at a time, whose sums per row have one order whatever the other rows (torch's float32
+    GEMM gave a row different bits about one run in ten). docs/engine.md, "Batch invariance",
+    says what it costs."""
 
     name = "cpu_invariant"
     TILE_ROWS = 16
@@ -147,19 +150,42 @@ class InvariantCpuOps(CpuOps):
         padded = rows + -rows % tile
         if padded != rows:
             x = torch.cat((x, x.new_zeros(padded - rows, x.shape[1])))
-        packed = getattr(layer, "packed_weight", None)
-        if packed is None and isinstance(w, QuantizedWeight) and w.dense is None:
-            return quant.cpu_linear_tiles(x.contiguous(), w, layer.bias, tile)[:rows]
-        if packed is not None:
-            run = lambda t: torch.ops.mkldnn._linear_pointwise(t, packed, layer.bias, "none", [], "")  # noqa: E731
-        else:
-            dense = w.dense if isinstance(w, QuantizedWeight) else w
-            run = lambda t: F.linear(t, dense, layer.bias)  # noqa: E731
-        if padded == tile:
-            return run(x)[:rows]
-        return torch.cat([run(x[i : i + tile]) for i in range(0, padded, tile)])[:rows]
+        if getattr(layer, "packed_weight", None) is None:
+            if isinstance(w, QuantizedWeight) and w.dense is None:
+                return quant.cpu_linear_gemv_rows(x.contiguous(), w, layer.bias)[:rows]
+            if _float32_gemv_runs(x, w):
+                return _float32_gemv_rows(x.contiguous(), w, layer.bias)[:rows]
+        tiles = [_tile_linear(x[i : i + tile], layer) for i in range(0, padded, tile)]
+        return (tiles[0] if len(tiles) == 1 else torch.cat(tiles))[:rows]
 
     lm_head = linear
+
+
+def _float32_gemv_runs(x: torch.Tensor, w: torch.Tensor | QuantizedWeight) -> bool:
+    return (
+        not isinstance(w, QuantizedWeight)
+        and x.dtype == w.dtype == torch.float32
+        and w.shape[1] % 8 == 0
+        and w.is_contiguous()
+    )
+
+
+def _float32_gemv_rows(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Float32 rows through the project's GEMV, four at a time: each row's sums in one fixed order
+    whatever the other rows, where torch's float32 GEMM (MKL) promises it for no shape."""
+    out = x.new_empty(x.shape[0], w.shape[0])
+    for i in range(0, x.shape[0], CpuOps.MAX_GEMV_ROWS):
+        torch.ops.atom.gemv(out[i : i + CpuOps.MAX_GEMV_ROWS], x[i : i + CpuOps.MAX_GEMV_ROWS], w, bias)
+    return out
+
+
+def _tile_linear(x: torch.Tensor, layer: torch.nn.Linear | quant.QuantLinear) -> torch.Tensor:
+    """One tile's GEMM: oneDNN's packed bfloat16 weight where there is one, else the float weight."""
+    packed = getattr(layer, "packed_weight", None)
+    if packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, layer.bias, "none", [], "")
+    w = layer.weight
+    return F.linear(x, w.dense if isinstance(w, QuantizedWeight) else w, layer.bias)
 
 
 Ops = type[TorchOps] | type[CpuOps]

@@ -234,21 +234,15 @@ def cpu_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -
     return (out if bias is None else out + bias).contiguous()
 
 
-def cpu_linear_tiles(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None, tile: int) -> torch.Tensor:
-    """``cpu_linear``'s batched path for ``x`` in tiles of ``tile`` rows (its row count a multiple of
-    it): each slice of ``w`` is dequantized once and multiplied by every tile, each product a GEMM of
-    one shape per slice, so a row's result never depends on the other rows (``InvariantCpuOps``)."""
-    (n, k), m = w.shape, x.shape[0]
-    rows = slice_rows(k)
-    buffer = x.new_empty(min(rows, n), k)
-    out = x.new_empty(m // tile, n, tile)
-    for start in range(0, n, rows):
-        part = buffer[: min(rows, n - start)]
-        torch.ops.atom.dequantize(part, w.data[start : start + rows], w.qtype.value)
-        for t in range(0, m, tile):
-            out[t // tile, start : start + rows] = torch.mm(part, x[t : t + tile].t())
-    out = out.transpose(1, 2).contiguous().view(m, n)
-    return out if bias is None else out + bias
+def cpu_linear_gemv_rows(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x W^T + b`` for any number of rows through the GEMV, ``MAX_GEMV_ROWS`` at a time: the
+    project's own kernel sums each row in one fixed order whatever the other rows, where torch's
+    float32 GEMM on dequantized slices gave a row different bits now and then (one run in ten)
+    depending on the batch (``InvariantCpuOps``)."""
+    out = x.new_empty(x.shape[0], w.shape[0])
+    for i in range(0, x.shape[0], MAX_GEMV_ROWS):
+        torch.ops.atom.qgemv(out[i : i + MAX_GEMV_ROWS], x[i : i + MAX_GEMV_ROWS], w.data, w.qtype.value, bias)
+    return out
 
 
 @functools.cache
