@@ -143,22 +143,27 @@ class InvariantCpuOps(CpuOps):
 
     @staticmethod
     def linear(x: torch.Tensor, layer: torch.nn.Linear | quant.QuantLinear) -> torch.Tensor:
-        rows, tile = x.shape[0], InvariantCpuOps.TILE_ROWS
         w = layer.weight
-        if rows == 0:
+        if x.shape[0] == 0:
             return x.new_empty(0, w.shape[0])
-        padded = rows + -rows % tile
-        if padded != rows:
-            x = torch.cat((x, x.new_zeros(padded - rows, x.shape[1])))
         if getattr(layer, "packed_weight", None) is None:
             if isinstance(w, QuantizedWeight) and w.dense is None:
-                return quant.cpu_linear_gemv_rows(x.contiguous(), w, layer.bias)[:rows]
+                return _gemv_rows(x, w.shape[0], torch.ops.atom.qgemv, w.data, w.qtype.value, layer.bias)
             if _float32_gemv_runs(x, w):
-                return _float32_gemv_rows(x.contiguous(), w, layer.bias)[:rows]
-        tiles = [_tile_linear(x[i : i + tile], layer) for i in range(0, padded, tile)]
+                return _gemv_rows(x, w.shape[0], torch.ops.atom.gemv, w, layer.bias)
+        x, rows = _padded(x, InvariantCpuOps.TILE_ROWS)
+        tiles = [_tile_linear(t, layer) for t in x.split(InvariantCpuOps.TILE_ROWS)]
         return (tiles[0] if len(tiles) == 1 else torch.cat(tiles))[:rows]
 
     lm_head = linear
+
+
+def _padded(x: torch.Tensor, multiple: int) -> tuple[torch.Tensor, int]:
+    """``x`` with zero rows added up to a multiple of ``multiple`` rows, and its own row count."""
+    rows = x.shape[0]
+    if rows % multiple:
+        x = torch.cat((x, x.new_zeros(multiple - rows % multiple, x.shape[1])))
+    return x.contiguous(), rows
 
 
 def _float32_gemv_runs(x: torch.Tensor, w: torch.Tensor | QuantizedWeight) -> bool:
@@ -170,13 +175,16 @@ def _float32_gemv_runs(x: torch.Tensor, w: torch.Tensor | QuantizedWeight) -> bo
     )
 
 
-def _float32_gemv_rows(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """Float32 rows through the project's GEMV, four at a time: each row's sums in one fixed order
-    whatever the other rows, where torch's float32 GEMM (MKL) promises it for no shape."""
-    out = x.new_empty(x.shape[0], w.shape[0])
+def _gemv_rows(x: torch.Tensor, n: int, gemv, *weight) -> torch.Tensor:
+    """``x``'s rows through one of the project's GEMVs (``gemv(out, x, *weight)``: the float32 one,
+    or the quantized one over a layer's blocks), always ``MAX_GEMV_ROWS`` at a time, the last group
+    padded: each row's sums in one fixed order whatever the other rows, where torch's float32 GEMM
+    (MKL) promises that for no shape."""
+    x, rows = _padded(x, CpuOps.MAX_GEMV_ROWS)
+    out = x.new_empty(x.shape[0], n)
     for i in range(0, x.shape[0], CpuOps.MAX_GEMV_ROWS):
-        torch.ops.atom.gemv(out[i : i + CpuOps.MAX_GEMV_ROWS], x[i : i + CpuOps.MAX_GEMV_ROWS], w, bias)
-    return out
+        gemv(out[i : i + CpuOps.MAX_GEMV_ROWS], x[i : i + CpuOps.MAX_GEMV_ROWS], *weight)
+    return out[:rows]
 
 
 def _tile_linear(x: torch.Tensor, layer: torch.nn.Linear | quant.QuantLinear) -> torch.Tensor:

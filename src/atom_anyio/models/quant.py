@@ -234,17 +234,6 @@ def cpu_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -
     return (out if bias is None else out + bias).contiguous()
 
 
-def cpu_linear_gemv_rows(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x W^T + b`` for any number of rows through the GEMV, ``MAX_GEMV_ROWS`` at a time: the
-    project's own kernel sums each row in one fixed order whatever the other rows, where torch's
-    float32 GEMM on dequantized slices gave a row different bits now and then (one run in ten)
-    depending on the batch (``InvariantCpuOps``)."""
-    out = x.new_empty(x.shape[0], w.shape[0])
-    for i in range(0, x.shape[0], MAX_GEMV_ROWS):
-        torch.ops.atom.qgemv(out[i : i + MAX_GEMV_ROWS], x[i : i + MAX_GEMV_ROWS], w.data, w.qtype.value, bias)
-    return out
-
-
 @functools.cache
 def slice_rows(k: int) -> int:
     return max(64, SLICE_FLOATS // k // 64 * 64)
