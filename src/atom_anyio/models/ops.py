@@ -135,7 +135,7 @@ class InvariantCpuOps(CpuOps):
     of that one shape (one shape runs one way, and a row's sums do not depend on its place in the
     tile); float32 rows and quantized blocks without a dense copy through the project's GEMVs, four
     rows at a time, whose sums per row have one order whatever the other rows (torch's float32
-    GEMM gave a row different bits about one run in ten). docs/engine.md, "Batch invariance",
+    GEMM gave a row different bits depending on the batch). docs/engine.md, "Batch invariance",
     says what it costs."""
 
     name = "cpu_invariant"
