@@ -28,6 +28,7 @@ LAYOUTS = [
     ("bfloat16", "both"),
     ("bfloat16", "packed"),
     ("bfloat16", "dequantize"),
+    ("float32", "both"),
     ("float32", "packed"),
     ("float32", "dequantize"),
 ]

@@ -395,7 +395,8 @@ def tiny_families(*names: str) -> dict[str, tuple[type, dict]]:
 # what `auto` picks on some CPU, each forced: (dtype, gguf_weights). The suite runs every one on
 # whatever CPU it is on (bfloat16 is slow on an AVX2-only CPU, not wrong).
 CPU_COMBINATIONS = {
-    "float32+packed": ("float32", "packed"),  # auto on AVX2 CPUs; the fused decoder runs it
+    "float32+both": ("float32", "both"),  # auto on AVX2 CPUs: blocks (the fused decoder's GEMV) and a dense copy
+    "float32+packed": ("float32", "packed"),  # auto there when the dense copy does not fit
     "bfloat16+both": ("bfloat16", "both"),  # auto on AVX512-BF16 / AMX CPUs: blocks and a dense copy
     "bfloat16+packed": ("bfloat16", "packed"),  # auto there when the dense copy does not fit
     "float32+dequantize": ("float32", "dequantize"),

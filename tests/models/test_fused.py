@@ -128,12 +128,17 @@ def tiny_ggufs(tmp_path_factory):
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K], ids=lambda t: t.name)
 @pytest.mark.parametrize(
-    "step", ["one decode", "four decodes across block ends", "decodes and a chunk over a cached prefix"]
+    "step", ["one decode", "four decodes across block ends", "six decodes", "decodes and a chunk over a cached prefix"]
 )
-def test_fused_step_equals_the_op_by_op_path_with_quantized_weights(tiny_ggufs, qtype, step):
-    # what auto picks on an AVX2 CPU, forced on any
-    model = load_model(tiny_ggufs[qtype], dtype="float32", attention_backend="cpu_paged", gguf_weights="packed").model
+@pytest.mark.parametrize("gguf_weights", ["both", "packed"])
+def test_fused_step_equals_the_op_by_op_path_with_quantized_weights(tiny_ggufs, qtype, step, gguf_weights):
+    """What auto picks on an AVX2 CPU (with the dense copy, or without where it does not fit),
+    forced on any; past four rows the fused decoder runs the copy's GEMM, as the op-by-op path."""
+    model = load_model(tiny_ggufs[qtype], dtype="float32", attention_backend="cpu_paged", gguf_weights=gguf_weights)
+    model = model.model
     assert model.dtype_name == f"float32+{qtype.name}"  # kept quantized: the embedding and the head too
+    dense = model.model.layers[0].mlp.gate_up_proj.weight.dense
+    assert (dense is not None) == (gguf_weights == "both")
     assert_same(model, step)
 
 

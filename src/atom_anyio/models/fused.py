@@ -63,6 +63,8 @@ def build(model: nn.Module) -> tuple[torch.ScriptObject | None, str | None]:
             if weight is None:
                 return None, f"layer {i}: a {qtype} weight"
             decoder.set_linear(slot, weight, qtype, linear.bias, slice_rows(linear.weight.shape[1]))
+            if isinstance(linear.weight, QuantizedWeight) and linear.weight.dense is not None:
+                decoder.set_dense(slot, linear.weight.dense)  # past four rows its GEMM, as quant.cpu_linear
     weight, qtype = _weight(model.model.embed_tokens.weight)
     if weight is None:
         return None, f"a {qtype} embedding"

@@ -44,6 +44,7 @@ struct Linear {
   at::Tensor bias;  // undefined: none
   int64_t N = 0, K = 0;
   int64_t slice_rows = 0;  // quantized, past MAX_GEMV_ROWS: rows dequantized per GEMM (quant.slice_rows)
+  at::Tensor dense;        // quantized: its float32 copy where the model keeps one (past MAX_GEMV_ROWS, one GEMM)
 
   // x [M, K] contiguous -> x W^T (+ b) [M, N], as CpuOps.linear computes it for M rows
   at::Tensor run(const at::Tensor& x) const {
@@ -57,7 +58,9 @@ struct Linear {
         atom::qgemv_f32(out.data_ptr<float>(), x.data_ptr<float>(), M, K, weight.data_ptr<uint8_t>(), N, qtype, b);
       return out;
     }
-    if (qtype == FLOAT) return at::linear(x, weight, bias.defined() ? c10::optional<at::Tensor>(bias) : c10::nullopt);
+    if (qtype == FLOAT || dense.defined())
+      return at::linear(x, qtype == FLOAT ? weight : dense,
+                        bias.defined() ? c10::optional<at::Tensor>(bias) : c10::nullopt);
     // quant.cpu_linear: slices of dequantized rows, each through one GEMM while it is in cache
     const int64_t rows = slice_rows, row_bytes = weight.size(1);
     at::Tensor buffer = at::empty({std::min(rows, N), K}, x.options());
@@ -126,6 +129,17 @@ class Decoder : public torch::CustomClassHolder {
     TORCH_CHECK(qtype == FLOAT || slice_rows > 0, "Decoder: a quantized linear needs slice_rows > 0");
     lin.weight = weight, lin.qtype = qtype, lin.slice_rows = slice_rows;
     if (bias.has_value()) check_float(*bias, lin.N, "bias"), lin.bias = *bias;
+  }
+
+  // the float32 copy of slot's quantized weight (last layer added), as quant.cpu_linear runs it past four rows
+  void set_dense(int64_t slot, const at::Tensor& dense) {
+    TORCH_CHECK(!layers_.empty() && slot >= 0 && slot < 4, "Decoder: set_dense before add_layer, or a bad slot");
+    Layer& layer = layers_.back();
+    Linear* linear[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
+    Linear& lin = *linear[slot];
+    TORCH_CHECK(lin.qtype != FLOAT, "Decoder: set_dense on a float32 linear");
+    check_float(dense, lin.N * lin.K, "dense");
+    lin.dense = dense;
   }
 
   void set_embedding(const at::Tensor& weight, int64_t qtype) {
@@ -241,6 +255,7 @@ TORCH_LIBRARY_FRAGMENT(atom, m) {
       .def(torch::init<int64_t, int64_t, int64_t, int64_t, int64_t, double>())
       .def("add_layer", &Decoder::add_layer)
       .def("set_linear", &Decoder::set_linear)
+      .def("set_dense", &Decoder::set_dense)
       .def("set_embedding", &Decoder::set_embedding)
       .def("set_norm", &Decoder::set_norm)
       .def("forward", &Decoder::forward);
