@@ -21,7 +21,7 @@ from atom_anyio.cli import build_parser
 from atom_anyio.config import Config
 from atom_anyio.engine.core import Engine
 from atom_anyio.engine.engine_config import EngineConfig
-from atom_anyio.engine.grammar import Constraint, Grammars
+from atom_anyio.engine.grammar import Grammars
 from atom_anyio.engine.request import EngineRequest
 from atom_anyio.engine.scheduler import runs_ahead
 from atom_anyio.engine.sequence import Sequence
@@ -233,7 +233,7 @@ async def test_preemption_under_a_tiny_pool_equals_the_synchronous_engine(tiny_m
 
 async def test_grammar_penalty_and_seeded_requests_fall_back_and_stay_exact(tiny_model, prompts):
     grammars = Grammars(tiny_model.tokenizer, tiny_model.config.vocab_size, [2])
-    constraint = Constraint(grammars.compile(StructuredOutputs("choice", ["yes", "no", "maybe"])))
+    constraint = grammars.constraint(StructuredOutputs("choice", ["yes", "no", "maybe"]))
     # a biased token repeats until the penalty of its repeats outweighs the bias: the count matters
     repeat = {"temperature": 0, "max_tokens": 16, "ignore_eos": True}
     penalised = SamplingParams(**repeat, logit_bias={100: 10.0}, repetition_penalty=2.0)

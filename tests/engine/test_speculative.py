@@ -20,12 +20,13 @@ from atom_anyio.config import Config
 from atom_anyio.engine import speculative
 from atom_anyio.engine.core import Engine
 from atom_anyio.engine.engine_config import EngineConfig
-from atom_anyio.engine.grammar import Constraint, Grammars
+from atom_anyio.engine.grammar import Grammars
 from atom_anyio.engine.proposers import SuffixStore, ngram_draft, suffix_draft
 from atom_anyio.engine.request import EngineRequest
 from atom_anyio.engine.sequence import Sequence
 from atom_anyio.engine.speculative import SpeculativeConfig, Speculator, within_grammar
 from atom_anyio.engine.stream import DeltaStream
+from atom_anyio.engine.wind_down import WIND_DOWN_TOKENS
 from atom_anyio.obs.metrics import Metrics
 from atom_anyio.sampling_params import StructuredOutputs
 from atom_anyio.settings import ConfigError
@@ -105,7 +106,7 @@ def test_speculative_config_takes_vllm_defaults_and_refuses_bad_values_in_one_li
 def test_a_draft_token_the_grammar_forbids_is_cut_before_verification(tiny_model):
     tok = tiny_model.tokenizer
     grammars = Grammars(tok, tiny_model.config.vocab_size, [tok.eos_token_id])
-    matcher = Constraint(grammars.compile(StructuredOutputs("choice", ["yes please", "no"]))).new_matcher()
+    matcher = grammars.constraint(StructuredOutputs("choice", ["yes please", "no"])).new_matcher()
     yes = tok.encode("yes please", add_special_tokens=False)
     assert within_grammar(matcher, [*yes, tok.eos_token_id]) == yes  # the end token would end it: cut
     assert within_grammar(matcher, [yes[0], *tok.encode(" maybe", add_special_tokens=False)]) == [yes[0]]
@@ -234,8 +235,8 @@ async def test_grammar_constrained_greedy_equal_with_drafts_masked_per_position(
     tok = tiny_model.tokenizer
     grammars = Grammars(tok, tiny_model.config.vocab_size, [tok.eos_token_id])
     schema = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}}}
-    constraint = Constraint(grammars.compile(StructuredOutputs("json", schema)))
-    params = SamplingParams(temperature=0, max_tokens=60)
+    constraint = grammars.constraint(StructuredOutputs("json", schema))
+    params = SamplingParams(temperature=0, max_tokens=60 + WIND_DOWN_TOKENS)  # no drafts in the wind-down
     items = [(p, params, constraint) for p in prompts[:3]]
     cfg = EngineConfig(**SMALL)
     plain = await generate(Engine(tiny_model, cfg), items)

@@ -446,7 +446,7 @@ async def test_each_tool_format_grammar_round_trips_through_its_parser(tiny_mode
     grammars = Grammars(tiny_model.tokenizer, tiny_model.config.vocab_size, [2])
     engine = Engine(tiny_model, EngineConfig(max_model_len=2048, kv_cache_gib=0.01))
     tag = forced_tool_calls_tag(tool_format, TOOLS, parallel=True)
-    constraint = Constraint(grammars.compile(StructuredOutputs("structural_tag", tag)))
+    constraint = grammars.constraint(StructuredOutputs("structural_tag", tag))
     prompt = tiny_model.tokenizer.encode("call a tool")
     texts = await generate(
         engine, [(prompt, SamplingParams(seed=s, max_tokens=MAX_TOKENS), constraint) for s in range(4)]
@@ -563,7 +563,7 @@ async def generate(engine: Engine, items: list[tuple[list[int], SamplingParams, 
 async def test_constrained_greedy_output_is_the_same_alone_batched_and_preempted(tiny_model):
     grammars = Grammars(tiny_model.tokenizer, tiny_model.config.vocab_size, [2])
     schemas = SCHEMAS[:8]
-    constraints = [Constraint(grammars.compile(StructuredOutputs("json", s))) for s in schemas]
+    constraints = [grammars.constraint(StructuredOutputs("json", s)) for s in schemas]
     prompts = [tiny_model.tokenizer.encode(f"record {i} " * (3 + 2 * i)) for i in range(len(schemas))]
     greedy = SamplingParams(temperature=0, max_tokens=120)
     items = list(zip(prompts, [greedy] * len(prompts), constraints, strict=True))
@@ -582,7 +582,7 @@ async def test_constrained_greedy_output_is_the_same_alone_batched_and_preempted
 
 async def test_unconstrained_rows_batched_with_constrained_ones_are_untouched(tiny_model):
     grammars = Grammars(tiny_model.tokenizer, tiny_model.config.vocab_size, [2])
-    constraint = Constraint(grammars.compile(StructuredOutputs("choice", ["yes", "no"])))
+    constraint = grammars.constraint(StructuredOutputs("choice", ["yes", "no"]))
     prompts = [tiny_model.tokenizer.encode(f"line {i} " * (2 + i)) for i in range(6)]
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     cfg = EngineConfig(max_model_len=512, kv_cache_gib=0.01)

@@ -171,4 +171,5 @@ class RequestTracker:
             generated_tokens=usage.completion_tokens,
             **{f"{k}_s": round(v, 6) for k, v in usage.timings.items()},
             **({"spec_acceptance": usage.spec_acceptance} if usage.num_draft_tokens else {}),
+            **({"closed_early": usage.num_closed_early} if usage.num_closed_early else {}),
         )

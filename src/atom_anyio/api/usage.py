@@ -19,6 +19,7 @@ class Usage:
     finish_reason: str | None = None  # the last choice to finish
     num_draft_tokens: int = 0  # speculative decoding, every choice's
     num_accepted_tokens: int = 0
+    num_closed_early: int = 0  # choices whose grammar the wind-down closed to end within max_tokens
     _last_delta_at: float | None = None
 
     def add(self, d: Delta) -> None:
@@ -37,6 +38,7 @@ class Usage:
             self.finish_reason = d.finish_reason
             self.num_draft_tokens += d.num_draft_tokens
             self.num_accepted_tokens += d.num_accepted_tokens
+            self.num_closed_early += d.num_closing_tokens > 0
 
     @property
     def spec_acceptance(self) -> float | None:

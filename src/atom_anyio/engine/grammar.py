@@ -19,6 +19,7 @@ from typing import Any
 
 import xgrammar as xgr
 
+from atom_anyio.engine.wind_down import Closer
 from atom_anyio.sampling_params import StructuredOutputs
 
 # JSON Schema keywords xgrammar 0.2 would silently ignore: enforcing only part of a schema would
@@ -61,6 +62,7 @@ class Constraint:
     """What the engine needs to constrain one request's sequences."""
 
     grammar: xgr.CompiledGrammar
+    closer: Closer  # how an output near its max_tokens closes the grammar (wind_down.py)
 
     def new_matcher(self) -> xgr.GrammarMatcher:
         """A matcher for one sequence (each choice its own: their outputs differ)."""
@@ -80,9 +82,14 @@ class Grammars:
     ):
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))
         self.compiler = xgr.GrammarCompiler(info, max_threads=num_threads, cache_limit_bytes=cache_bytes)
+        self.closer = Closer(info)
         self.timeout_s = timeout_s
         # a compile past the bound keeps its thread until it ends: xgrammar cannot be interrupted
         self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="grammar")
+
+    def constraint(self, spec: StructuredOutputs) -> Constraint:
+        """``spec`` compiled, as the engine takes it (see ``compile``)."""
+        return Constraint(self.compile(spec), self.closer)
 
     def compile(self, spec: StructuredOutputs) -> xgr.CompiledGrammar:
         """The grammar of ``spec``; raises ``GrammarError`` naming ``spec.param``. Blocking: call it

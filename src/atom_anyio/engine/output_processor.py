@@ -72,7 +72,7 @@ class OutputProcessor:
                 self.block_manager.commit(seq)
             if seq.max_tokens == 0 and not seq.num_uncomputed_tokens:
                 self._end_prefill_only(seq)
-        rejected = set(result.rejected)
+        rejected, closed = set(result.rejected), set(result.closed)
         drafts = step.draft_token_ids or [[]] * len(step.sample_rows)
         accepted = result.num_accepted or [0] * len(step.sample_rows)
         first = 0  # each sample row's first position in the result
@@ -80,6 +80,7 @@ class OutputProcessor:
             seq, tokens = batch.seqs[row], result.token_ids[first : first + num_accepted + 1]
             if draft and self.speculator is not None:
                 self.speculator.verified(seq, len(draft), num_accepted)
+            seq.num_closing_tokens += first in closed
             if i in rejected:  # cannot happen while the mask is applied; never run past a broken grammar
                 self.retire(seq, f"token {tokens[-1]} violates the request's output grammar")
             else:
@@ -142,6 +143,7 @@ class OutputProcessor:
         if finish is not None:
             delta.metrics = _request_metrics(seq)
             delta.num_draft_tokens, delta.num_accepted_tokens = seq.num_draft_tokens, seq.num_accepted_tokens
+            delta.num_closing_tokens = seq.num_closing_tokens
         return delta
 
     def _send(self, seq: Sequence, delta: Delta) -> None:

@@ -10,6 +10,8 @@ from array import array
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from atom_anyio.engine.wind_down import WIND_DOWN_TOKENS, Closing
+
 if TYPE_CHECKING:
     from atom_anyio.engine.detokenizer import IncrementalDetokenizer
     from atom_anyio.engine.request import EngineRequest
@@ -69,6 +71,8 @@ class Sequence:
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.matcher: Any = constraint.new_matcher() if constraint else None  # an xgrammar GrammarMatcher
+        self.closer = constraint.closer if constraint else None
+        self.num_closing_tokens = 0  # tokens the wind-down chose to close the grammar in time
         # token ids the output must end with before the matcher applies (a reasoning end tag); () once it has
         self.grammar_gate: tuple[int, ...] = request.reasoning_end_ids if constraint else ()
         self.reasoning_budget = request.reasoning_budget  # None once the reasoning block has closed
@@ -133,6 +137,16 @@ class Sequence:
     def active_matcher(self) -> Any:
         """The matcher constraining the next token, or None."""
         return None if self.grammar_gate else self.matcher
+
+    @property
+    def closing(self) -> Closing | None:
+        """Within ``WIND_DOWN_TOKENS`` of its max_tokens with its grammar applying: the room the worker
+        keeps to close the grammar; None before, and without a grammar."""
+        num_left = self.max_tokens - self.num_output_tokens
+        if self.active_matcher is None or num_left > WIND_DOWN_TOKENS:
+            return None
+        assert not self.num_placeholders, "a constrained sequence never runs ahead: its count is exact"
+        return Closing(self.closer, num_left)
 
     @property
     def is_finished(self) -> bool:

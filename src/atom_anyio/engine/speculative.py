@@ -22,6 +22,7 @@ import numpy as np
 import xgrammar as xgr
 
 from atom_anyio.engine.proposers import SuffixStore, ngram_draft, suffix_draft
+from atom_anyio.engine.wind_down import WIND_DOWN_TOKENS
 from atom_anyio.settings import _json_object
 
 if TYPE_CHECKING:
@@ -128,7 +129,10 @@ class Speculator:
         if seq.num_steps_without_draft:
             seq.num_steps_without_draft -= 1
             return []
-        k = min(seq.num_speculative_tokens or self.max_tokens, limit, seq.max_tokens - seq.num_output_tokens - 1)
+        num_left = seq.max_tokens - seq.num_output_tokens
+        if seq.matcher is not None:  # the wind-down checks one token a step: no draft reaches into it
+            num_left -= WIND_DOWN_TOKENS
+        k = min(seq.num_speculative_tokens or self.max_tokens, limit, num_left - 1)
         if k < 1 or seq.reasoning_budget is not None or (seq.matcher is not None and seq.grammar_gate):
             return []
         tokens = np.asarray(seq.token_ids, dtype=np.int64)

@@ -52,6 +52,8 @@ class StepOutput:
     num_accepted: list[int] = field(default_factory=list)  # with drafts: each sample row's accepted draft tokens
     error: str | None = None
     rejected: list[int] = field(default_factory=list)  # sample rows whose token their grammar refused
+    # positions (without drafts, sample rows) whose token the wind-down chose; such a row has no draft
+    closed: list[int] = field(default_factory=list)
     prompt_logprobs: list[list[Logprob]] = field(default_factory=list)  # one list per StepInput.prompt_rows entry
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -111,13 +113,16 @@ def _sampling_inputs(
     spans = [len(d) + 1 for d in drafts] if drafts else [1] * len(sampled)
     rows = [(j, s, i) for j, (s, span) in enumerate(zip(sampled, spans, strict=True)) for i in range(span)]
     penalised = any(s.params.repetition_penalty != 1.0 for s in sampled)
+    matchers = [s.active_matcher for _, s, _ in rows] if any(s.matcher is not None for s in sampled) else []
+    closings = [s.closing for _, s, _ in rows] if matchers else []
     return SamplingInputs(
         params=[s.params for _, s, _ in rows],
         prompt_token_ids=[s.prompt_token_ids if penalised else [] for _, s, _ in rows],
         output_token_ids=[_output_token_ids(s) + drafts[j][:i] if i else _output_token_ids(s) for j, s, i in rows],
         seeds=[s.seed for _, s, _ in rows],
         eos_token_ids=eos_token_ids,
-        matchers=[s.active_matcher for _, s, _ in rows] if any(s.matcher is not None for s in sampled) else [],
+        matchers=matchers,
+        closings=closings if any(closings) else [],
     )
 
 

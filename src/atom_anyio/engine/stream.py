@@ -49,6 +49,8 @@ class Delta:
     # on a choice's last delta, with speculative decoding: its draft tokens verified and accepted
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # on a choice's last delta: the tokens the wind-down chose to close its grammar within max_tokens
+    num_closing_tokens: int = 0
     # on a choice's first delta when the request asked for them: one per prompt token, None for the first
     prompt_logprobs: list[Logprob | None] | None = None
 
@@ -70,6 +72,7 @@ class Delta:
             self.metrics = new.metrics
         self.num_draft_tokens = new.num_draft_tokens or self.num_draft_tokens
         self.num_accepted_tokens = new.num_accepted_tokens or self.num_accepted_tokens
+        self.num_closing_tokens = new.num_closing_tokens or self.num_closing_tokens
 
 
 class DeltaStream:

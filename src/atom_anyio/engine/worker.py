@@ -25,6 +25,7 @@ from atom_anyio.engine.sampler import INVALID_TOKEN, MIN_LOGPROB, Sampler
 from atom_anyio.engine.speculative import apply_draft_masks, draft_positions, verify
 from atom_anyio.engine.step import PromptRows, StepInput, StepOutput
 from atom_anyio.engine.stream import Logprob
+from atom_anyio.engine.wind_down import wind_down
 from atom_anyio.models.attention import AttentionMetadata, stage
 from atom_anyio.models.decoder import LlamaForCausalLM
 from atom_anyio.models.ops import CpuOps
@@ -132,6 +133,11 @@ class Worker:
         out = self.sampler(logits, step.sampling, finite)
         if INVALID_TOKEN in out.token_ids:
             raise FloatingPointError("non-finite logits")
+        closed = []
+        if step.sampling.closings:
+            for row, token in wind_down(step.sampling.closings, step.sampling.matchers, out.token_ids).items():
+                out.replace(row, token)
+                closed.append(row)
         num_accepted: list[int] = []
         if drafts:
             num_accepted, rejected = verify(drafts, out.token_ids, matchers)
@@ -145,6 +151,7 @@ class Worker:
             out.logprobs,
             num_accepted,
             rejected=rejected,
+            closed=closed,
             timings=timings,
             prompt_logprobs=prompt_logprobs,
         )

@@ -175,6 +175,11 @@ class Metrics:
         self.rejected = Counter(
             "atom_requests_rejected", "Requests refused at admission, by reason", ["reason"], registry=r
         )
+        self.closed_early = Counter(
+            "atom_structured_closed_early",
+            "Constrained outputs whose grammar was closed early to end within max_tokens",
+            registry=r,
+        )
         self.gc_pause = Histogram("atom_gc_pause_seconds", "GC pauses", ["generation"], buckets=GC_BUCKETS, registry=r)
         self.context_tokens = (
             Gauge("atom_request_context_tokens", "Context tokens of a running request", ["request_id"], registry=r)
@@ -201,6 +206,7 @@ class Metrics:
         self.requests.labels(endpoint, outcome).inc()
         self.prompt_tokens.inc(usage.prompt_tokens)
         self.generation_tokens.inc(usage.completion_tokens)
+        self.closed_early.inc(usage.num_closed_early)
         self.request_prompt_tokens.observe(usage.prompt_tokens)
         self.request_generation_tokens.observe(usage.completion_tokens)
         for name, hist in (("ttft", self.ttft), ("e2e", self.e2e), ("queue_time", self.queue_time)):

@@ -245,7 +245,7 @@ def _constraint(request: PromptRequest, ctx: PrepareContext) -> Constraint | Non
         return None
     assert ctx.grammars is not None, "a structured request needs a context with a grammar compiler"
     try:
-        return Constraint(ctx.grammars.compile(request.structured))
+        return ctx.grammars.constraint(request.structured)
     except GrammarError as exc:
         raise PromptError(exc.message, param=exc.param) from None
 
