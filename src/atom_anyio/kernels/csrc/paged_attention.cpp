@@ -12,6 +12,9 @@
 // Inner loops: a KV block is staged as float (K transposed, [D][16]) so the
 // score and value micro-kernels are plain fixed-width FMA loops over rows
 // held in registers; exp is vectorised with AVX2 when the compiler targets it.
+// With AVX512-BF16 and a bfloat16 cache, keys are staged as bfloat16 pairs
+// and both products are pair dot products (vdpbf16ps). The next chunks are
+// prefetched in pieces between the current chunk's work (struct Ahead).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -30,19 +33,20 @@ using namespace atom;
 
 constexpr int KW = 16;  // keys per chunk: two 8-float vectors
 constexpr int RB = 6;   // rows per register block (12 accumulators)
-constexpr int PREFETCH_CHUNKS = 2;  // how far ahead the next chunks are fetched into L2
+constexpr int PREFETCH_CHUNKS = 4;  // how far ahead the next chunks are fetched into L2
 
-// the next chunk's keys and values (all heads: n consecutive slots), ahead of their use: blocks
-// are scattered, so the hardware prefetcher cannot know where the next one is
-template <typename T>
-inline void prefetch_chunk(const T* k, const T* v, int64_t bytes) {
-  const char* kc = reinterpret_cast<const char*>(k);
-  const char* vc = reinterpret_cast<const char*>(v);
-  for (int64_t b = 0; b < bytes; b += 64) {
-    __builtin_prefetch(kc + b, 0, 2);
-    __builtin_prefetch(vc + b, 0, 2);
+// The next chunks' keys and values, fetched into L2 ahead of their use: blocks are scattered, so
+// the hardware prefetcher cannot know where the next one is. The lines are issued a few at a time
+// between pieces of the current chunk's work, each head's share in four pieces: issued as one
+// burst per chunk, two chunks ahead, they stalled the core (16 decodes at 8k of context, bfloat16,
+// on a Zen 5: 8.7-9.3 GB/s read that way, 21-24 GB/s spread four chunks ahead).
+struct Ahead {
+  const char* p = nullptr;
+  int64_t left = 0;  // bytes not yet issued
+  inline void issue(int64_t bytes) {
+    for (; bytes > 0 && left > 0; bytes -= 64, left -= 64, p += 64) __builtin_prefetch(p, 0, 2);
   }
-}
+};
 
 // kt[d][j] = key j of the chunk, as float; keys j >= n are zero
 template <typename T>
@@ -223,23 +227,41 @@ inline __m512 exp16(__m512 x) {
   return _mm512_maskz_mul_ps(__mmask16(~tiny), y, _mm512_castsi512_ps(e));
 }
 
-inline __m512 bf16x16_to_float(const c10::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+// Where the values' accumulators keep output dim d: each 32 dims are two 16-float registers, the
+// pairs that _mm512_unpacklo_epi16 and _mm512_unpackhi_epi16 of two keys' rows give: per 128-bit
+// lane L, dims 8L..8L+3 in the first and 8L+4..8L+7 in the second (a last block of 16 dims: two
+// 8-float halves). o stays in this order while a unit's keys stream; unpermute_rows puts it back.
+inline int bf16_slot_of_dim(int d, int D) {
+  const int c = d % 32, block = d - c, half = std::min(32, D - block) / 2, lane = c / 8, e = c % 8;
+  return block + (e < 4 ? 4 * lane + e : half + 4 * lane + e - 4);
 }
 
-// one chunk of n keys for NR rows: scores, online softmax, values (q as bf16 pairs, unscaled)
+inline void unpermute_rows(float* o, int rows, int D, float* tmp) {
+  for (int r = 0; r < rows; ++r) {
+    for (int d = 0; d < D; ++d) tmp[d] = o[r * D + bf16_slot_of_dim(d, D)];
+    std::memcpy(o + r * D, tmp, D * sizeof(float));
+  }
+}
+
+// one chunk of n keys for NR rows: scores, online softmax, values (q as bf16 pairs, unscaled).
+// Scores are bfloat16 pair dot products over the dims (two accumulators per row, even and odd
+// pairs, for more independent chains); values are pair dot products over two keys at a time, the
+// probabilities rounded to bfloat16 as FlashAttention rounds P before P.V (the normaliser l sums
+// them unrounded). Each row's sums are in one fixed order whatever NR is.
 template <int NR>
 inline void bf16_rows_chunk(const uint32_t* q, int P, const uint32_t* kp, const c10::BFloat16* v, int64_t ldv, int n,
                             const int* qpos, int key0, int window, float scale, float* m, float* l, float* o) {
   const int D = 2 * P;
-  __m512 s[NR];
-  for (int r = 0; r < NR; ++r) s[r] = _mm512_setzero_ps();
-  for (int p = 0; p < P; ++p) {
-    const __m512bh kv = (__m512bh)_mm512_loadu_si512(kp + p * 16);
-    for (int r = 0; r < NR; ++r) s[r] = _mm512_dpbf16_ps(s[r], (__m512bh)_mm512_set1_epi32(q[r * P + p]), kv);
+  __m512 s[NR], s2[NR];
+  for (int r = 0; r < NR; ++r) s[r] = s2[r] = _mm512_setzero_ps();
+  for (int p = 0; p < P; p += 2) {
+    const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kp + p * 16), k1 = (__m512bh)_mm512_loadu_si512(kp + p * 16 + 16);
+    for (int r = 0; r < NR; ++r) {
+      s[r] = _mm512_dpbf16_ps(s[r], (__m512bh)_mm512_set1_epi32(q[r * P + p]), k0);
+      s2[r] = _mm512_dpbf16_ps(s2[r], (__m512bh)_mm512_set1_epi32(q[r * P + p + 1]), k1);
+    }
   }
-  alignas(64) float pr[NR * 16];
+  alignas(64) uint16_t pb[NR * 16];  // the probabilities as bfloat16, two keys per dword
   for (int r = 0; r < NR; ++r) {
     const int visible = std::min(n, qpos[r] - key0 + 1);  // causal: keys up to the row's own position
     __mmask16 keep = visible <= 0 ? 0 : __mmask16((1u << visible) - 1);
@@ -247,14 +269,14 @@ inline void bf16_rows_chunk(const uint32_t* q, int P, const uint32_t* kp, const 
       const int first = qpos[r] - window + 1 - key0;
       if (first > 0) keep &= first >= 16 ? 0 : __mmask16(~((1u << first) - 1));
     }
-    const __m512 sr = _mm512_mask_mul_ps(_mm512_set1_ps(NEG_INF), keep, s[r], _mm512_set1_ps(scale));
+    const __m512 sr = _mm512_mask_mul_ps(_mm512_set1_ps(NEG_INF), keep, _mm512_add_ps(s[r], s2[r]), _mm512_set1_ps(scale));
     const float mx = std::max(m[r], _mm512_reduce_max_ps(sr));
     if (mx == NEG_INF) {  // nothing visible yet for this row
-      _mm512_store_ps(pr + r * 16, _mm512_setzero_ps());
+      _mm256_store_si256(reinterpret_cast<__m256i*>(pb + r * 16), _mm256_setzero_si256());
       continue;
     }
     const __m512 e = exp16(_mm512_sub_ps(sr, _mm512_set1_ps(mx)));
-    _mm512_store_ps(pr + r * 16, e);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(pb + r * 16), (__m256i)_mm512_cvtneps_pbh(e));
     const float alpha = m[r] == NEG_INF ? 0.f : std::exp(m[r] - mx);
     l[r] = l[r] * alpha + _mm512_reduce_add_ps(e);
     m[r] = mx;
@@ -262,14 +284,27 @@ inline void bf16_rows_chunk(const uint32_t* q, int P, const uint32_t* kp, const 
       for (int d = 0; d < D; d += 16)
         _mm512_storeu_ps(o + r * D + d, _mm512_mul_ps(_mm512_loadu_ps(o + r * D + d), _mm512_set1_ps(alpha)));
   }
-  for (int d = 0; d < D; d += 16) {
-    __m512 acc[NR];
-    for (int r = 0; r < NR; ++r) acc[r] = _mm512_loadu_ps(o + r * D + d);
-    for (int j = 0; j < n; ++j) {
-      const __m512 vj = bf16x16_to_float(v + j * ldv + d);
-      for (int r = 0; r < NR; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(pr[r * 16 + j]), vj, acc[r]);
+  const uint32_t* pp = reinterpret_cast<const uint32_t*>(pb);  // row r, keys 2i and 2i + 1: pp[r * 8 + i]
+  for (int d = 0; d < D; d += 32) {
+    // 32 dims, or a last 16 (the upper half of each register zero: half the lanes of lo and hi)
+    const int half = std::min(32, D - d) / 2;
+    const __mmask32 dims = half == 16 ? __mmask32(0xFFFFFFFF) : __mmask32(0xFFFF);
+    const __mmask16 lanes = half == 16 ? __mmask16(0xFFFF) : __mmask16(0xFF);
+    __m512 lo[NR], hi[NR];
+    for (int r = 0; r < NR; ++r)
+      lo[r] = _mm512_maskz_loadu_ps(lanes, o + r * D + d), hi[r] = _mm512_maskz_loadu_ps(lanes, o + r * D + d + half);
+    for (int j = 0; j < n; j += 2) {
+      const __m512i a = _mm512_maskz_loadu_epi16(dims, v + j * ldv + d);
+      const __m512i b = j + 1 < n ? _mm512_maskz_loadu_epi16(dims, v + (j + 1) * ldv + d) : _mm512_setzero_si512();
+      const __m512bh vlo = (__m512bh)_mm512_unpacklo_epi16(a, b), vhi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+      for (int r = 0; r < NR; ++r) {
+        const __m512bh pr = (__m512bh)_mm512_set1_epi32(pp[r * 8 + j / 2]);
+        lo[r] = _mm512_dpbf16_ps(lo[r], pr, vlo);
+        hi[r] = _mm512_dpbf16_ps(hi[r], pr, vhi);
+      }
     }
-    for (int r = 0; r < NR; ++r) _mm512_storeu_ps(o + r * D + d, acc[r]);
+    for (int r = 0; r < NR; ++r)
+      _mm512_mask_storeu_ps(o + r * D + d, lanes, lo[r]), _mm512_mask_storeu_ps(o + r * D + d + half, lanes, hi[r]);
   }
 }
 
@@ -436,10 +471,15 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
         n = std::min({KW, key_hi - key0, BS - key0 % BS});  // a chunk never crosses a block
         const int64_t slot = slot_of(key0);
         const int ahead = key0 + PREFETCH_CHUNKS * n;
-        if (ahead < key_hi)
-          prefetch_chunk(kp + slot_of(ahead) * slot_stride, vp + slot_of(ahead) * slot_stride,
-                         std::min({KW, key_hi - ahead, BS - ahead % BS}) * slot_stride * int64_t(sizeof(T)));
+        Ahead ak, av;
+        if (ahead < key_hi) {
+          const int64_t bytes = std::min({KW, key_hi - ahead, BS - ahead % BS}) * slot_stride * int64_t(sizeof(T));
+          ak = {reinterpret_cast<const char*>(kp + slot_of(ahead) * slot_stride), bytes};
+          av = {reinterpret_cast<const char*>(vp + slot_of(ahead) * slot_stride), bytes};
+        }
+        const int64_t piece = (ak.left / (2 * KVH) + 63) / 64 * 64;  // a quarter of a head's share
         for (int h = 0; h < KVH; ++h) {
+          ak.issue(piece);
           const T* kb = kp + slot * slot_stride + int64_t(h) * D;
           const T* vsrc = vp + slot * slot_stride + int64_t(h) * D;
           const int r0 = h * group_rows;
@@ -447,13 +487,18 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
           if constexpr (is_bf16) {
             if (native) {
               stage_key_pairs(kb, slot_stride, n, D / 2, kpairs.data());
+              ak.issue(h + 1 < KVH ? piece : ak.left);
+              av.issue(piece);
               bf16_rows_dispatch(group_rows, &qpairs[r0 * D / 2], D / 2, kpairs.data(), vsrc, slot_stride, n, &qpos[r0],
                                  key0, window, float(scale), &m[r0], &l[r0], &o[r0 * D]);
+              av.issue(h + 1 < KVH ? piece : av.left);
               continue;
             }
           }
 #endif
           stage_keys(kb, slot_stride, n, D, kt.data());
+          ak.issue(h + 1 < KVH ? piece : ak.left);
+          av.issue(piece);
           const float* v;
           int64_t ldv;
           if constexpr (std::is_same_v<T, float>) {
@@ -471,8 +516,12 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
           else
             rows_dispatch<false>(group_rows, &qs[r0 * D], D, kt.data(), v, ldv, n, &qpos[r0], key0, window, &m[r0],
                                  &l[r0], &o[r0 * D]);
+          av.issue(h + 1 < KVH ? piece : av.left);
         }
       }
+#ifdef ATOM_AVX512_BF16
+      if (native) unpermute_rows(o.data(), rows, D, acc.data());
+#endif
     };
     // a partial (unnormalised output, running max and sum) into ml/po at slot s
     auto keep = [&](int rows, float* ml, float* po, int s) {
