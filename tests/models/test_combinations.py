@@ -25,9 +25,9 @@ def tiny_q4_1(tmp_path_factory):
     return tiny_wide_ggufs(tmp_path_factory.mktemp("combinations"), [Q.Q4_1])[Q.Q4_1]
 
 
-def generate(path, combination: str, budget: int, max_tokens: int, fused: bool = True):
+def generate(path, combination: str, budget: int, max_tokens: int, fused: bool = True, attention: str = "cpu"):
     dtype, gguf_weights = CPU_COMBINATIONS[combination]
-    loaded = load_model(str(path), dtype, attention_backend="cpu", gguf_weights=gguf_weights)
+    loaded = load_model(str(path), dtype, attention_backend=attention, gguf_weights=gguf_weights)
     loaded.model.use_fused = fused
     llm = LLM(loaded, max_num_batched_tokens=budget, num_kv_blocks=64, enable_prefix_caching=False)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=5)
@@ -46,6 +46,19 @@ def test_prompt_longer_than_a_prefill_chunk_answers_in_every_combination(tiny_q4
     assert model.dtype_name.startswith(dtype) and ("Q4_1" in model.dtype_name) == (gguf_weights != "dequantize")
     whole, _ = generate(tiny_q4_1, combination, budget=2048, max_tokens=max_tokens)
     assert_greedy_close(chunked, whole)
+
+
+@pytest.mark.parametrize("combination", [c for c in CPU_COMBINATIONS if c.startswith("bfloat16")])
+def test_the_kernels_prefill_answers_a_long_prompt_as_sdpa_does(tiny_q4_1, combination):
+    """``auto`` runs bfloat16 prefill chunks through the paged kernel on AVX512-BF16 CPUs without
+    AMX (``cpu_paged``): chunked there, it agrees with one whole prefill and with SDPA's prefill."""
+    chunked, model = generate(tiny_q4_1, combination, budget=64, max_tokens=4, attention="cpu_paged")
+    assert model.attention_backend.paged_prefill
+    assert [o.finish_reason for o in chunked] == ["length", "length"], [o.error for o in chunked]
+    whole, _ = generate(tiny_q4_1, combination, budget=2048, max_tokens=4, attention="cpu_paged")
+    assert_greedy_close(chunked, whole)
+    sdpa, _ = generate(tiny_q4_1, combination, budget=64, max_tokens=4)
+    assert_greedy_close(chunked, sdpa)
 
 
 def test_the_fused_decoder_and_the_op_by_op_path_agree_on_a_long_prompt(tiny_q4_1):

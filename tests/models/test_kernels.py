@@ -228,6 +228,29 @@ def test_select_backend_names_and_refusals(monkeypatch):
         select_backend(torch.device("meta"), "cpu")
 
 
+@pytest.mark.parametrize(
+    ("flags", "dtype", "kernel_prefill"),
+    [
+        ("avx2 avx512f avx512_bf16", torch.bfloat16, True),  # AMD Zen 4/5: the kernel's bfloat16 dot products
+        ("avx2 avx512f avx512_bf16 amx_bf16 amx_tile", torch.bfloat16, False),  # AMX: torch's SDPA tiles win
+        ("avx2 avx512f avx512_bf16", torch.float32, False),
+        ("avx2 fma", torch.float32, False),
+    ],
+)
+def test_auto_picks_the_prefill_path_by_the_cpu_and_dtype(monkeypatch, flags, dtype, kernel_prefill):
+    """``auto`` decides what a CPU of each kind gets, whatever CPU runs the test; what it picks
+    is forceable by name (``cpu`` / ``cpu_paged``), and both are tested on this CPU below."""
+    monkeypatch.delenv("ATOM_ATTENTION_BACKEND", raising=False)
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: f"flags : {flags}")
+    variants = ["paged_attention_avx512_bf16"] if "avx512_bf16" in flags else []
+    monkeypatch.setattr(kernels, "native_kernels", lambda: variants)
+    backend = select_backend(torch.device("cpu"), "auto", dtype=dtype)
+    assert backend.paged_prefill == kernel_prefill
+    assert backend.name == ("cpu_paged" if kernel_prefill else "cpu")
+    assert not select_backend(torch.device("cpu"), "cpu", dtype=dtype).paged_prefill
+    assert select_backend(torch.device("cpu"), "cpu_paged", dtype=dtype).paged_prefill
+
+
 def test_environment_variable_picks_the_offline_llms_backend(tiny_model_dir, monkeypatch):
     monkeypatch.setenv("ATOM_ATTENTION_BACKEND", "torch")
     assert LLM(str(tiny_model_dir), num_kv_blocks=8).loaded.model.attention_backend.name == "torch"

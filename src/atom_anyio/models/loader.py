@@ -211,7 +211,7 @@ def build_model(
     if batch_invariant and cfg.moe is not None:
         raise ValueError("batch_invariant does not cover mixture-of-experts models yet (torch runs their expert GEMMs)")
     with torch.device("meta"):
-        backend = select_backend(device, attention_backend, cfg.head_dim, batch_invariant)
+        backend = select_backend(device, attention_backend, cfg.head_dim, batch_invariant, dtype)
         model = LlamaForCausalLM(cfg, backend, tp)
     state, missing_parts = pack_weights(
         stack_experts({k: v.to(device=device, dtype=dtype) for k, v in state.items()}, cfg.moe)
