@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from atom_anyio import LLM, kernels
+from atom_anyio import LLM, SamplingParams, kernels
 from atom_anyio.config import Config
 from atom_anyio.models.attention import (
     AttentionMetadata,
@@ -370,3 +370,37 @@ def test_native_bf16_long_decodes_split_over_the_keys_equal_the_float32_referenc
     out = CpuPagedAttention().forward(q, k, v, k_cache, v_cache, meta)
     ref = TorchPagedAttention().forward(q.float(), k.float(), v.float(), k_cache.float(), v_cache.float(), meta)
     torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
+
+
+def os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_release_openmp_threads_ends_the_calling_threads_pool():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        kernels.release_openmp_threads()
+        before = os_threads()
+        torch.ones(1 << 24).sum()  # one OpenMP region: a pool with one more thread
+        assert os_threads() == before + 1
+        assert kernels.release_openmp_threads()
+        assert os_threads() == before
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_the_thread_that_builds_an_engine_keeps_no_openmp_pool(tiny_model_dir):
+    """Loading and zeroing the KV pool run OpenMP regions on the caller's thread; the steps run on
+    the engine's own. A pool left on the caller would double the threads libgomp manages on a
+    2-core machine, and it then stops spinning its workers (every step's regions 2x slower)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        llm = LLM(str(tiny_model_dir), num_kv_blocks=64)
+        after_build = os_threads()
+        kernels.release_openmp_threads()  # nothing left to release
+        assert os_threads() == after_build
+        assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    finally:
+        torch.set_num_threads(previous)

@@ -106,6 +106,8 @@ class Worker:
         self.sampler = Sampler()
         self.sampled: torch.Tensor | None = None  # the last step's sampled ids, on the device (None: it failed)
         self.limiter = anyio.CapacityLimiter(1)
+        if self.device.type == "cpu":  # the steps run on another thread: this one's OpenMP pool goes
+            kernels.release_openmp_threads()
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:

@@ -194,6 +194,8 @@ def load_model(
         cpu=kernels.cpu_model() if device.type == "cpu" else None,
         native_bf16=kernels.has_native_bf16() if device.type == "cpu" else None,
     )
+    if device.type == "cpu":  # another thread runs the steps: the pool this load made goes
+        kernels.release_openmp_threads()
     return LoadedModel(model, tokenizer, cfg, chat_template, name, generation_defaults=generation, source=source)
 
 
