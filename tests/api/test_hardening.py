@@ -505,6 +505,11 @@ async def test_cors_answers_allowed_origins_only(tiny_model):
 # SIGTERM under load, as real processes
 
 
+# tokens per stream: eight of them take 2.8 s on a 2-core Xeon at the defaults (more than 3 s before
+# its OpenMP fix), so 3,000 keep them in flight well past hypercorn's 3 s on any CPU so far
+STREAM_TOKENS = 3000
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("runner", ["hypercorn", "serve"])
 async def test_sigterm_under_load_drains_in_flight_streams_and_exits_zero(tiny_model_dir, tmp_path, runner):
@@ -529,7 +534,11 @@ async def test_sigterm_under_load_drains_in_flight_streams_and_exits_zero(tiny_m
             async def stream(i: int) -> None:
                 nonlocal started
                 body = chat(
-                    f"story {i}", max_tokens=1000, ignore_eos=True, stream=True, stream_options={"include_usage": True}
+                    f"story {i}",
+                    max_tokens=STREAM_TOKENS,
+                    ignore_eos=True,
+                    stream=True,
+                    stream_options={"include_usage": True},
                 )
                 async with http.stream("POST", "/v1/chat/completions", json=body) as r:
                     text = ""
@@ -561,7 +570,7 @@ async def test_sigterm_under_load_drains_in_flight_streams_and_exits_zero(tiny_m
         assert body.endswith("data: [DONE]\n\n"), body[-300:]
         events = [json.loads(e.removeprefix("data: ")) for e in body.split("\n\n")[:-2] if e]
         assert events[-2]["choices"][0]["finish_reason"] == "length"
-        assert events[-1]["usage"]["completion_tokens"] == 1000
+        assert events[-1]["usage"]["completion_tokens"] == STREAM_TOKENS
 
 
 class GatedSampler:
