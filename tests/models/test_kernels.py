@@ -328,6 +328,50 @@ def test_lm_head_in_vocabulary_slices_equals_one_gemm(rows):
         torch.testing.assert_close(CpuOps.lm_head(x, head), TorchOps.lm_head(x, head), atol=1e-5, rtol=1e-5)
 
 
+NATIVE_ELEMENTWISE = "elementwise_avx512"
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def elementwise_ops(dtype: torch.dtype, width: int, head_dim: int) -> list[torch.Tensor]:
+    """Every elementwise op of ``CpuOps`` once on rows with large, tiny, infinite and NaN values."""
+    g = torch.Generator().manual_seed(width + head_dim)
+    x, res = (torch.randn(37, width, generator=g) * 3 for _ in range(2))
+    x[0, :5] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e-30, 3e38])
+    x, res = x.to(dtype), res.to(dtype)
+    w = torch.randn(width, generator=g).to(dtype)
+    gate_up = (torch.randn(37, 2 * width, generator=g) * 40).to(dtype)  # past exp's clamp at -88
+    gate_up[1, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")]).to(dtype)
+    heads, kv_heads = 3, 1
+    qkv = (torch.randn(37, (heads + 2 * kv_heads) * head_dim, generator=g) * 3).to(dtype)
+    q = qkv[:, : heads * head_dim].view(37, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(37, kv_heads, head_dim)
+    angles = torch.arange(37.0)[:, None] * torch.rand(head_dim // 2, generator=g)[None, :]
+    normed, residual = CpuOps.add_rms_norm(x.clone(), res.clone(), w, 1e-5)
+    rotated = CpuOps.rotary(q.clone(), k.clone(), angles.cos(), angles.sin())
+    return [CpuOps.rms_norm(x, w, 1e-5), normed, residual, CpuOps.silu_and_mul(gate_up), *rotated]
+
+
+@pytest.mark.skipif(
+    NATIVE_ELEMENTWISE not in kernels.native_kernels(), reason=f"{NATIVE_ELEMENTWISE}: this CPU has no AVX512F/BW"
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width,head_dim", [(576, 64), (200, 40), (64, 128), (24, 16)])  # 200, 40, 24: 8-lane tails
+def test_native_elementwise_ops_equal_their_portable_twins_bit_for_bit(dtype, width, head_dim):
+    """The sixteen-lane variant of rms_norm, add_rms_norm, silu_and_mul and rotary computes each
+    lane with the portable code's operations in its order: the same bits, NaN and infinities included."""
+    native = elementwise_ops(dtype, width, head_dim)
+    before = kernels.use_native_kernels(False)
+    try:
+        portable = elementwise_ops(dtype, width, head_dim)
+    finally:
+        kernels.use_native_kernels(before)
+    for a, b in zip(native, portable, strict=True):
+        assert torch.equal(bits(a), bits(b))
+
+
 NATIVE_ATTENTION = "paged_attention_avx512_bf16"
 
 

@@ -9,6 +9,9 @@
 
 namespace atom {
 
+// paged_attention.cpp: whether the native variants run (set_native_kernels), read by every kernel that has one
+bool native_kernels_enabled();
+
 // ops.cpp: rows of n floats, contiguous
 void rms_norm_f32(float* out, const float* x, const float* w, int64_t rows, int64_t n, float eps);
 void add_rms_norm_f32(float* x, float* residual, const float* w, int64_t rows, int64_t n, float eps);

@@ -617,8 +617,15 @@ std::vector<std::string> native_kernels() {
 #ifdef ATOM_AVX512_BF16
   names.push_back("paged_attention_avx512_bf16");
 #endif
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  names.push_back("elementwise_avx512");  // ops.cpp
+#endif
   return names;
 }
+
+namespace atom {
+bool native_kernels_enabled() { return g_native; }
+}  // namespace atom
 
 // turns the native variants on or off (the portable twins run instead); returns the previous setting
 bool set_native_kernels(bool enabled) {
