@@ -27,8 +27,7 @@ namespace {
 
 using namespace atom;
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#define ATOM_ELEMENTWISE_AVX512 1
+#ifdef ATOM_ELEMENTWISE_AVX512
 // Sixteen lanes: the V8 operations of vec.h at twice the width, each lane the same bits.
 struct V16 {
   __m512 v;

@@ -617,7 +617,7 @@ std::vector<std::string> native_kernels() {
 #ifdef ATOM_AVX512_BF16
   names.push_back("paged_attention_avx512_bf16");
 #endif
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#ifdef ATOM_ELEMENTWISE_AVX512
   names.push_back("elementwise_avx512");  // ops.cpp
 #endif
   return names;

@@ -17,6 +17,11 @@
 #include <immintrin.h>
 #endif
 
+// the elementwise ops' sixteen-lane variant (ops.cpp), reported by native_kernels (paged_attention.cpp)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define ATOM_ELEMENTWISE_AVX512 1
+#endif
+
 namespace atom {
 
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
