@@ -9,7 +9,7 @@ import gguf
 import pytest
 import torch
 import torch.nn.functional as F
-from support import CPU_COMBINATIONS, assert_greedy_close, serving_app
+from support import CPU_COMBINATIONS, assert_greedy_close, serving_app, write_tiny_llama
 from test_quant import tiny_wide_ggufs
 
 from atom_anyio import LLM, SamplingParams, kernels
@@ -110,17 +110,42 @@ def test_packed_bfloat16_linears_give_the_plain_gemms_bits(tiny_q4_1, rows):
             assert torch.equal(CpuOps.linear(x, quantized), F.linear(x, quantized.weight.dequantize()))
 
 
-def test_the_portable_kernels_can_be_forced_and_answer_alike(tiny_q4_1):
-    """``cpu_native_kernels=False`` runs the portable twins (what an AVX2 CPU runs) on any CPU."""
+@pytest.fixture(scope="module")
+def tiny_head_dim_64(tmp_path_factory, smollm2_path):
+    """A tiny random Llama whose heads are 64 wide (4 heads, 2 KV heads), like SmolLM2's."""
+    path = tmp_path_factory.mktemp("tiny-head-dim-64")
+    return write_tiny_llama(path, smollm2_path, hidden_size=256, intermediate_size=256)
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        # the portable twins, what an AVX2 CPU runs
+        "cpu_native_kernels",
+        # decodes on the AVX512-BF16 variant (what a Zen 4/5 runs) on a CPU with AMX
+        pytest.param(
+            "cpu_amx_attention",
+            marks=pytest.mark.skipif(
+                "paged_attention_amx_bf16" not in kernels.native_kernels(),
+                reason="paged_attention_amx_bf16: no AMX tiles on this CPU or OS",
+            ),
+        ),
+    ],
+)
+def test_a_variant_auto_picks_elsewhere_can_be_forced_and_answers_alike(tiny_q4_1, tiny_head_dim_64, setting):
+    """Turning a setting off runs what another CPU kind gets, on any CPU, and it answers alike.
+    The AMX kernel takes head_dim 64 (prefill chunks and decodes, under auto's backend)."""
+    toggle = {"cpu_native_kernels": kernels.use_native_kernels, "cpu_amx_attention": kernels.use_amx_kernels}[setting]
     dtype, gguf_weights = CPU_COMBINATIONS["bfloat16+packed"]
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5)
+    model, backend = (tiny_q4_1, "cpu_paged") if setting == "cpu_native_kernels" else (tiny_head_dim_64, "auto")
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
     outputs = {}
     try:
-        for native in (True, False):
-            loaded = load_model(str(tiny_q4_1), dtype, attention_backend="cpu_paged", gguf_weights=gguf_weights)
-            llm = LLM(loaded, num_kv_blocks=64, cpu_native_kernels=native)
-            assert kernels.use_native_kernels(native) == native  # what the engine set
-            outputs[native] = [o.outputs[0] for o in llm.generate([LONG_PROMPT, LONG_PROMPT[:37]], params)]
+        for on in (True, False):
+            loaded = load_model(str(model), dtype, attention_backend=backend, gguf_weights=gguf_weights)
+            llm = LLM(loaded, num_kv_blocks=64, **{setting: on})
+            assert toggle(on) == on  # what the engine set
+            outputs[on] = [o.outputs[0] for o in llm.generate([LONG_PROMPT, LONG_PROMPT[:37]], params)]
     finally:
-        kernels.use_native_kernels(True)
+        toggle(True)
     assert_greedy_close(outputs[False], outputs[True])

@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from atom_anyio import LLM, SamplingParams, kernels
 from atom_anyio.config import Config
@@ -229,26 +230,47 @@ def test_select_backend_names_and_refusals(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("flags", "dtype", "kernel_prefill"),
+    ("flags", "dtype", "kernel_prefill", "amx_prefill"),
     [
-        ("avx2 avx512f avx512_bf16", torch.bfloat16, True),  # AMD Zen 4/5: the kernel's bfloat16 dot products
-        ("avx2 avx512f avx512_bf16 amx_bf16 amx_tile", torch.bfloat16, False),  # AMX: torch's SDPA tiles win
-        ("avx2 avx512f avx512_bf16", torch.float32, False),
-        ("avx2 fma", torch.float32, False),
+        ("avx2 avx512f avx512_bf16", torch.bfloat16, True, False),  # AMD Zen 4/5: the kernel's bfloat16 dot products
+        # AMX: the kernel on the tiles (SDPA when cpu_amx_attention=false)
+        ("avx2 avx512f avx512_bf16 amx_bf16 amx_tile", torch.bfloat16, False, True),
+        ("avx2 avx512f avx512_bf16 amx_bf16 amx_tile", torch.float32, False, False),
+        ("avx2 avx512f avx512_bf16", torch.float32, False, False),
+        ("avx2 fma", torch.float32, False, False),
     ],
 )
-def test_auto_picks_the_prefill_path_by_the_cpu_and_dtype(monkeypatch, flags, dtype, kernel_prefill):
+def test_auto_picks_the_prefill_path_by_the_cpu_and_dtype(monkeypatch, flags, dtype, kernel_prefill, amx_prefill):
     """``auto`` decides what a CPU of each kind gets, whatever CPU runs the test; what it picks
     is forceable by name (``cpu`` / ``cpu_paged``), and both are tested on this CPU below."""
     monkeypatch.delenv("ATOM_ATTENTION_BACKEND", raising=False)
     monkeypatch.setattr(kernels, "cpu_flags", lambda: f"flags : {flags}")
     variants = ["paged_attention_avx512_bf16"] if "avx512_bf16" in flags else []
+    variants += ["paged_attention_amx_bf16"] if "amx_bf16" in flags else []
     monkeypatch.setattr(kernels, "native_kernels", lambda: variants)
+    monkeypatch.setattr(kernels, "has_amx_attention", lambda: "paged_attention_amx_bf16" in variants)
     backend = select_backend(torch.device("cpu"), "auto", dtype=dtype)
     assert backend.paged_prefill == kernel_prefill
+    assert backend.amx_prefill == amx_prefill
     assert backend.name == ("cpu_paged" if kernel_prefill else "cpu")
     assert not select_backend(torch.device("cpu"), "cpu", dtype=dtype).paged_prefill
     assert select_backend(torch.device("cpu"), "cpu_paged", dtype=dtype).paged_prefill
+
+
+@pytest.mark.skipif(
+    "paged_attention_amx_bf16" not in kernels.native_kernels(), reason="paged_attention_amx_bf16: no AMX tiles here"
+)
+def test_amx_prefill_follows_the_tiles_setting():
+    """auto's AMX backend runs prefill chunks in the kernel while the tiles serve it, and through
+    SDPA when cpu_amx_attention=false turns them off (the AVX512-BF16 variant's prefill is slower)."""
+    meta = paged_step([1, 40], [300, 90], 9, 3, 64, 16, dtype=torch.bfloat16)[-1]
+    backend = CpuPagedAttention(amx_prefill=True)
+    assert backend.runs_in_kernel(meta)
+    before = kernels.use_amx_kernels(False)
+    try:
+        assert not backend.runs_in_kernel(meta)
+    finally:
+        kernels.use_amx_kernels(before)
 
 
 def test_environment_variable_picks_the_offline_llms_backend(tiny_model_dir, monkeypatch):
@@ -373,20 +395,46 @@ def test_native_elementwise_ops_equal_their_portable_twins_bit_for_bit(dtype, wi
 
 
 NATIVE_ATTENTION = "paged_attention_avx512_bf16"
+AMX_ATTENTION = "paged_attention_amx_bf16"
+# the bfloat16 variants a decode can take: AVX512-BF16 (AMD Zen 4/5, and AMX CPUs with
+# cpu_amx_attention=false) and the AMX tiles (decodes on a Xeon with AMX), each skipped by name
+# where the CPU cannot run it
+BF16_VARIANTS = [
+    pytest.param(
+        "avx512",
+        marks=pytest.mark.skipif(
+            NATIVE_ATTENTION not in kernels.native_kernels(), reason=f"{NATIVE_ATTENTION}: this CPU has no AVX512-BF16"
+        ),
+    ),
+    pytest.param(
+        "amx",
+        marks=pytest.mark.skipif(
+            AMX_ATTENTION not in kernels.native_kernels(), reason=f"{AMX_ATTENTION}: no AMX tiles on this CPU or OS"
+        ),
+    ),
+]
 
 
-@pytest.mark.skipif(
-    NATIVE_ATTENTION not in kernels.native_kernels(), reason=f"{NATIVE_ATTENTION}: this CPU has no AVX512-BF16"
-)
+@pytest.fixture
+def bf16_variant(request):
+    """Runs the test's decodes on the variant named by its ``variant`` parameter."""
+    before = kernels.use_amx_kernels(request.getfixturevalue("variant") == "amx")
+    yield
+    kernels.use_amx_kernels(before)
+
+
+@pytest.mark.parametrize("variant", BF16_VARIANTS)
 @pytest.mark.parametrize("window,sinks", [(None, False), (5, False), (17, True), (None, True)])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize(
     "heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (8, 2, 128, 16), (4, 2, 16, 4), (4, 4, 32, 32)]
 )
-def test_native_bf16_attention_equals_its_portable_twin(layout, window, sinks, heads, kv_heads, head_dim, block_size):
-    """The AVX512-BF16 variant (pair dot products, 16-wide values) against the portable
-    AVX2 code on the same bfloat16 step, prefill rows through the kernel too: within a
-    rounding of the bfloat16 output."""
+def test_native_bf16_attention_equals_its_portable_twin(
+    layout, window, sinks, heads, kv_heads, head_dim, block_size, variant, bf16_variant
+):
+    """The AVX512-BF16 variant (pair dot products, 16-wide values), or the AMX one for the
+    decodes, against the portable AVX2 code on the same bfloat16 step, prefill rows through the
+    kernel too: within a rounding of the bfloat16 output."""
     query_lens, context_lens = LAYOUTS[layout]
     q, k, v, k_cache, v_cache, meta = paged_step(
         query_lens, context_lens, heads, kv_heads, head_dim, block_size, dtype=torch.bfloat16, seed=11
@@ -403,17 +451,62 @@ def test_native_bf16_attention_equals_its_portable_twin(layout, window, sinks, h
     torch.testing.assert_close(native.float(), portable.float(), atol=1e-2, rtol=1e-2)
 
 
-@pytest.mark.skipif(
-    NATIVE_ATTENTION not in kernels.native_kernels(), reason=f"{NATIVE_ATTENTION}: this CPU has no AVX512-BF16"
-)
+@pytest.mark.parametrize("variant", BF16_VARIANTS)
 @pytest.mark.parametrize("context", [4096, 20000])
-def test_native_bf16_long_decodes_split_over_the_keys_equal_the_float32_reference(context):
+def test_native_bf16_long_decodes_split_over_the_keys_equal_the_float32_reference(context, variant, bf16_variant):
     q, k, v, k_cache, v_cache, meta = paged_step(
         [1, 1, 1], [context, context - 5, 7], 9, 3, 64, 16, dtype=torch.bfloat16
     )
     out = CpuPagedAttention().forward(q, k, v, k_cache, v_cache, meta)
     ref = TorchPagedAttention().forward(q.float(), k.float(), v.float(), k_cache.float(), v_cache.float(), meta)
     torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("variant", BF16_VARIANTS)
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,block_size", [(4, 2, 64, 16), (32, 8, 64, 16), (16, 1, 128, 32), (9, 3, 64, 64)]
+)
+def test_bf16_decodes_ignore_what_the_slots_past_their_keys_hold(
+    heads, kv_heads, head_dim, block_size, variant, bf16_variant
+):
+    """Decodes whose last chunk of keys is partial, over a cache whose every other slot holds NaN
+    (what a freed block may hold): the AMX variant loads whole 16-key tiles, so the keys past a
+    sequence must be masked and its values past them never multiplied. Contexts across the
+    softmax steps' 128-key edges, rows in one and in several 16-lane blocks, a group of 16."""
+    contexts = [15, 127, 128, 129, 300, 1001, 2]  # (a context of 1 would be a prefill: no kernel)
+    q, k, v, k_cache, v_cache, meta = paged_step(
+        [1] * len(contexts), contexts, heads, kv_heads, head_dim, block_size, dtype=torch.bfloat16, seed=5
+    )
+    valid = torch.zeros(k_cache.shape[0], dtype=torch.bool)
+    for table, context in zip(meta.block_tables.tolist(), contexts, strict=True):
+        for key in range(context):
+            valid[table[key // block_size] * block_size + key % block_size] = True
+    ref = TorchPagedAttention().forward(q.float(), k.float(), v.float(), k_cache.float(), v_cache.float(), meta)
+    k_cache[~valid] = float("nan")
+    v_cache[~valid] = float("nan")
+    out = CpuPagedAttention().forward(q, k, v, k_cache, v_cache, meta)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.skipif(AMX_ATTENTION not in kernels.native_kernels(), reason=f"{AMX_ATTENTION}: no AMX tiles here")
+def test_the_amx_decode_leaves_the_tiles_as_torch_set_them():
+    """torch's own AMX code (oneDNN's GEMMs, its flash SDPA) runs on the same thread as the
+    kernel's tiles: after a decode it answers as before (the kernel puts back the tile shapes it
+    found, in case a library keeps them configured between its calls; torch 2.13 re-configures)."""
+    torch.manual_seed(0)
+    a, b = torch.randn(64, 512).bfloat16(), torch.randn(512, 256).bfloat16()
+    qs, ks, vs = (torch.randn(1, 4, 200, 64).bfloat16() for _ in range(3))
+
+    def torch_work():
+        return a @ b, F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+
+    before = torch_work()
+    step = paged_step([1, 1], [300, 40], 9, 3, 64, 16, dtype=torch.bfloat16)
+    decoded = CpuPagedAttention().forward(*step)
+    after = torch_work()
+    assert all(torch.equal(x, y) for x, y in zip(before, after, strict=True))
+    assert torch.equal(decoded, CpuPagedAttention().forward(*step))
 
 
 def os_threads() -> int:

@@ -79,12 +79,14 @@ class Worker:
         num_threads: int = 1,
         decode_graphs: tuple[int, int] | None = None,  # (max_model_len, max_num_seqs): see cuda_graphs.py
         native_kernels: bool = True,  # the CPU kernels' native variants (process-wide: kernels.use_native_kernels)
+        amx_attention: bool = True,  # decodes' attention on the AMX tiles where built (kernels.use_amx_kernels)
     ):
         self.model = model
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         if self.device.type == "cpu" and model.attention_backend.ops is CpuOps:
             kernels.use_native_kernels(native_kernels)
+            kernels.use_amx_kernels(amx_attention)
         cfg = model.config
         num_slots = (num_blocks + (decode_graphs is not None)) * block_size  # a spare block for padding rows
         self.kv_pool = torch.zeros(

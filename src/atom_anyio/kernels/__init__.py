@@ -63,13 +63,36 @@ def isa_flags() -> list[str]:
 
 def native_kernels() -> list[str]:
     """The variants the build runs beyond the portable code (``paged_attention_avx512_bf16`` where
-    the CPU has AVX512-BF16); empty without the kernels."""
+    the CPU has AVX512-BF16, ``paged_attention_amx_bf16`` where it has AMX and the OS lends the
+    tiles); empty without the kernels."""
     return list(torch.ops.atom.native_kernels()) if load_cpu_kernels() is None else []
 
 
 def use_native_kernels(enabled: bool) -> bool:
     """Run the native variants (the default) or their portable twins; returns the previous setting."""
     return bool(torch.ops.atom.set_native_kernels(enabled))
+
+
+_amx_wanted = [True]  # what use_amx_kernels last set (the kernels keep their own copy)
+
+
+def use_amx_kernels(enabled: bool) -> bool:
+    """Run bfloat16 attention in the kernel on the AMX tiles where the build has them (the
+    default), or through the AVX512-BF16 variant, as on a CPU without AMX; returns the previous
+    setting."""
+    _amx_wanted[0] = enabled
+    return bool(torch.ops.atom.set_amx_kernels(enabled))
+
+
+@functools.cache
+def has_amx_attention() -> bool:
+    """The build has the AMX attention variant and the OS lends this process the tiles."""
+    return "paged_attention_amx_bf16" in native_kernels()
+
+
+def amx_attention_active() -> bool:
+    """bfloat16 attention in the kernel runs on the AMX tiles now (built, lent, not turned off)."""
+    return _amx_wanted[0] and has_amx_attention()
 
 
 def has_native_bf16() -> bool:

@@ -20,7 +20,11 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -249,10 +253,8 @@ inline void unpermute_rows(float* o, int rows, int D, float* tmp) {
 // probabilities rounded to bfloat16 as FlashAttention rounds P before P.V (the normaliser l sums
 // them unrounded). Each row's sums are in one fixed order whatever NR is.
 template <int NR>
-inline void bf16_rows_chunk(const uint32_t* q, int P, const uint32_t* kp, const c10::BFloat16* v, int64_t ldv, int n,
-                            const int* qpos, int key0, int window, float scale, float* m, float* l, float* o) {
-  const int D = 2 * P;
-  __m512 s[NR], s2[NR];
+inline void bf16_scores_from_pairs(const uint32_t* q, int P, const uint32_t* kp, __m512* s) {
+  __m512 s2[NR];
   for (int r = 0; r < NR; ++r) s[r] = s2[r] = _mm512_setzero_ps();
   for (int p = 0; p < P; p += 2) {
     const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kp + p * 16), k1 = (__m512bh)_mm512_loadu_si512(kp + p * 16 + 16);
@@ -261,15 +263,68 @@ inline void bf16_rows_chunk(const uint32_t* q, int P, const uint32_t* kp, const 
       s2[r] = _mm512_dpbf16_ps(s2[r], (__m512bh)_mm512_set1_epi32(q[r * P + p + 1]), k1);
     }
   }
-  alignas(64) uint16_t pb[NR * 16];  // the probabilities as bfloat16, two keys per dword
+  for (int r = 0; r < NR; ++r) s[r] = _mm512_add_ps(s[r], s2[r]);
+}
+
+// The scores of a few rows straight from the keys as they lie (no staged transpose): each key's
+// products summed over its dims in 16 lanes, then the 16 keys' vectors folded into one by a
+// reduction tree (30 shuffles and 15 adds a row, against the 96 shuffles per 32 dims that staging
+// the keys as pairs costs whatever the rows). Input vector i of the tree lands in lane
+// 4 (i % 4) + i / 4, so vector i is fed key 4 (i % 4) + i / 4 and lane j ends up key j.
+template <int NR>
+inline void bf16_scores_from_rows(const c10::BFloat16* q, int D, const c10::BFloat16* k, int64_t ldk, int n,
+                                  __m512* s) {
+  __m512 d[NR][2];
+  for (int h = 0; h < 2; ++h) {
+    __m512 c[NR][2];
+    for (int g = 0; g < 2; ++g) {
+      __m512 a[NR][4];
+      for (int r = 0; r < NR; ++r)
+        for (int t = 0; t < 4; ++t) a[r][t] = _mm512_setzero_ps();
+      for (int dim = 0; dim < D; dim += 32) {
+        const __mmask32 dims = D - dim >= 32 ? __mmask32(0xFFFFFFFF) : __mmask32(0xFFFF);
+        for (int t = 0; t < 4; ++t) {
+          const int i = 8 * h + 4 * g + t, key = 4 * (i % 4) + i / 4;
+          if (key >= n) continue;  // a zero vector: its lane is masked afterwards
+          const __m512bh kv = (__m512bh)_mm512_maskz_loadu_epi16(dims, k + key * ldk + dim);
+          for (int r = 0; r < NR; ++r)
+            a[r][t] = _mm512_dpbf16_ps(a[r][t], (__m512bh)_mm512_maskz_loadu_epi16(dims, q + r * D + dim), kv);
+        }
+      }
+      for (int r = 0; r < NR; ++r) {
+        const __m512 b0 = _mm512_add_ps(_mm512_shuffle_f32x4(a[r][0], a[r][1], 0x44),
+                                        _mm512_shuffle_f32x4(a[r][0], a[r][1], 0xEE));
+        const __m512 b1 = _mm512_add_ps(_mm512_shuffle_f32x4(a[r][2], a[r][3], 0x44),
+                                        _mm512_shuffle_f32x4(a[r][2], a[r][3], 0xEE));
+        c[r][g] = _mm512_add_ps(_mm512_shuffle_f32x4(b0, b1, 0x88), _mm512_shuffle_f32x4(b0, b1, 0xDD));
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      d[r][h] = _mm512_add_ps(_mm512_shuffle_ps(c[r][0], c[r][1], 0x44), _mm512_shuffle_ps(c[r][0], c[r][1], 0xEE));
+  }
+  for (int r = 0; r < NR; ++r)
+    s[r] = _mm512_add_ps(_mm512_shuffle_ps(d[r][0], d[r][1], 0x88), _mm512_shuffle_ps(d[r][0], d[r][1], 0xDD));
+}
+
+// rows at or under this many per kv head take their scores from the keys as they lie
+constexpr int ROW_SCORES_MAX = 4;
+
+// The online softmax's step for NR rows over a chunk's n scores s (unscaled): each row's masked,
+// scaled scores, its running max m and sum l updated, its probabilities as bfloat16 into pb
+// (row r: pb[16 r .. 16 r + 15], zero past the visible keys) and the factor its output so far is
+// to be scaled by (1: unchanged).
+template <int NR>
+inline void bf16_softmax(const __m512* s, int n, const int* qpos, int key0, int window, float scale, float* m,
+                         float* l, uint16_t* pb, float* alpha) {
   for (int r = 0; r < NR; ++r) {
+    alpha[r] = 1.f;
     const int visible = std::min(n, qpos[r] - key0 + 1);  // causal: keys up to the row's own position
-    __mmask16 keep = visible <= 0 ? 0 : __mmask16((1u << visible) - 1);
+    __mmask16 keep = visible <= 0 ? 0 : visible >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << visible) - 1);
     if (window > 0) {  // sliding window: keys after the row's position - window
       const int first = qpos[r] - window + 1 - key0;
       if (first > 0) keep &= first >= 16 ? 0 : __mmask16(~((1u << first) - 1));
     }
-    const __m512 sr = _mm512_mask_mul_ps(_mm512_set1_ps(NEG_INF), keep, _mm512_add_ps(s[r], s2[r]), _mm512_set1_ps(scale));
+    const __m512 sr = _mm512_mask_mul_ps(_mm512_set1_ps(NEG_INF), keep, s[r], _mm512_set1_ps(scale));
     const float mx = std::max(m[r], _mm512_reduce_max_ps(sr));
     if (mx == NEG_INF) {  // nothing visible yet for this row
       _mm256_store_si256(reinterpret_cast<__m256i*>(pb + r * 16), _mm256_setzero_si256());
@@ -277,13 +332,29 @@ inline void bf16_rows_chunk(const uint32_t* q, int P, const uint32_t* kp, const 
     }
     const __m512 e = exp16(_mm512_sub_ps(sr, _mm512_set1_ps(mx)));
     _mm256_store_si256(reinterpret_cast<__m256i*>(pb + r * 16), (__m256i)_mm512_cvtneps_pbh(e));
-    const float alpha = m[r] == NEG_INF ? 0.f : std::exp(m[r] - mx);
-    l[r] = l[r] * alpha + _mm512_reduce_add_ps(e);
+    alpha[r] = m[r] == NEG_INF ? 0.f : std::exp(m[r] - mx);
+    l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(e);
     m[r] = mx;
-    if (alpha != 1.f)
-      for (int d = 0; d < D; d += 16)
-        _mm512_storeu_ps(o + r * D + d, _mm512_mul_ps(_mm512_loadu_ps(o + r * D + d), _mm512_set1_ps(alpha)));
   }
+}
+
+template <int NR>
+inline void bf16_rows_chunk(const uint32_t* q, int P, const uint32_t* kp, const c10::BFloat16* k, int64_t ldk,
+                            const c10::BFloat16* v, int64_t ldv, int n, const int* qpos, int key0, int window,
+                            float scale, float* m, float* l, float* o) {
+  const int D = 2 * P;
+  __m512 s[NR];
+  if (kp)
+    bf16_scores_from_pairs<NR>(q, P, kp, s);
+  else
+    bf16_scores_from_rows<NR>(reinterpret_cast<const c10::BFloat16*>(q), D, k, ldk, n, s);
+  alignas(64) uint16_t pb[NR * 16];  // the probabilities as bfloat16, two keys per dword
+  float alpha[NR];
+  bf16_softmax<NR>(s, n, qpos, key0, window, scale, m, l, pb, alpha);
+  for (int r = 0; r < NR; ++r)
+    if (alpha[r] != 1.f)
+      for (int d = 0; d < D; d += 16)
+        _mm512_storeu_ps(o + r * D + d, _mm512_mul_ps(_mm512_loadu_ps(o + r * D + d), _mm512_set1_ps(alpha[r])));
   const uint32_t* pp = reinterpret_cast<const uint32_t*>(pb);  // row r, keys 2i and 2i + 1: pp[r * 8 + i]
   for (int d = 0; d < D; d += 32) {
     // 32 dims, or a last 16 (the upper half of each register zero: half the lanes of lo and hi)
@@ -308,20 +379,337 @@ inline void bf16_rows_chunk(const uint32_t* q, int P, const uint32_t* kp, const 
   }
 }
 
+// kp: the chunk's keys staged as pairs, or null to take the scores from the keys k as they lie
 template <int NR = NB>
-inline void bf16_rows_dispatch(int rows, const uint32_t* q, int P, const uint32_t* kp, const c10::BFloat16* v,
-                               int64_t ldv, int n, const int* qpos, int key0, int window, float scale, float* m,
-                               float* l, float* o) {
+inline void bf16_rows_dispatch(int rows, const uint32_t* q, int P, const uint32_t* kp, const c10::BFloat16* k,
+                               int64_t ldk, const c10::BFloat16* v, int64_t ldv, int n, const int* qpos, int key0,
+                               int window, float scale, float* m, float* l, float* o) {
   if constexpr (NR > 0) {
+    if (!kp && NR > ROW_SCORES_MAX) {
+      bf16_rows_dispatch<ROW_SCORES_MAX>(rows, q, P, kp, k, ldk, v, ldv, n, qpos, key0, window, scale, m, l, o);
+      return;
+    }
     for (; rows >= NR; rows -= NR, q += NR * P, qpos += NR, m += NR, l += NR, o += NR * 2 * P)
-      bf16_rows_chunk<NR>(q, P, kp, v, ldv, n, qpos, key0, window, scale, m, l, o);
-    if (rows > 0) bf16_rows_dispatch<NR - 1>(rows, q, P, kp, v, ldv, n, qpos, key0, window, scale, m, l, o);
+      bf16_rows_chunk<NR>(q, P, kp, k, ldk, v, ldv, n, qpos, key0, window, scale, m, l, o);
+    if (rows > 0) bf16_rows_dispatch<NR - 1>(rows, q, P, kp, k, ldk, v, ldv, n, qpos, key0, window, scale, m, l, o);
   }
+}
+#endif
+
+#if defined(ATOM_AVX512_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define ATOM_AMX_BF16 1
+// The AMX variant for decodes over a bfloat16 cache: both products on the tile unit, which does a
+// 16 x 16 x 32 block in the time AVX-512 does a few hundred pair dot products (on a 2-core Xeon
+// with AMX: 1.6 TMAC/s against 30 GMAC/s for vdpbf16ps), with no key or value staged:
+// - scores transposed, S^T = K Q^T: the keys, 16 of a chunk straight from the cache, are the A
+//   tile (rows: keys, 32 dims a tile), the queries of the kv head as dim pairs (prepared once) B;
+// - the softmax of AMX_CHUNKS chunks at once, one lane per query row (every head together), its
+//   probabilities transposed to rows of 16 keys;
+// - O += P V with the values straight from the cache as B (rows: keys, 16 dim pairs a row): the
+//   tile unit sums over pairs (key, dim parity), so P goes in twice, as the even halves of dwords
+//   (the other half zero: the even dims out) and as the odd halves (the odd dims out).
+// Probabilities are rounded to bfloat16 before P.V, as in the AVX-512 variant; their sum is not.
+
+// whether this process may use the tile registers (Linux hands them out on request, once)
+bool amx_permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+constexpr int AMX_CHUNKS = 8;  // chunks of 16 keys per softmax step
+constexpr int AMX_ROWS = 64;   // a prefill unit's rows per kv head: four blocks of 16 share each key read
+
+constexpr float LOG2E = 1.44269504088896341f;
+
+// 2^t in 16 lanes for t <= 0 (scores less their max, base 2), 0 below -126 and for -inf: a
+// degree-4 polynomial on the fraction (within 4e-5 relative, where the probabilities are then
+// rounded to bfloat16's 4e-3) and vscalefps for the power, 9 instructions where exp16 takes 17
+inline __m512 exp2_16(__m512 t) {
+  const __mmask16 live = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-126.f), _CMP_GE_OQ);
+  t = _mm512_max_ps(t, _mm512_set1_ps(-127.f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.0096181291f), f, _mm512_set1_ps(0.0555041087f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402265070f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931471806f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_maskz_scalef_ps(live, p, n);
+}
+
+// The tiles' shapes for `cols` query rows a kv head (the scores' columns, the probabilities' rows)
+struct AmxShapes {
+  TileConfig qk, pv;
+  explicit AmxShapes(int cols) {
+    // scores: 0-3 keys (two chunks x two dim blocks), 4-5 queries (two dim blocks), 6-7 scores (two chunks)
+    const int qk_colsb[8] = {64, 64, 64, 64, 4 * cols, 4 * cols, 4 * cols, 4 * cols};
+    // values: 0-1 values (two dim blocks), 2-3 probabilities (even, odd), 4-7 outputs (dim block x parity)
+    const int pv_rows[8] = {16, 16, cols, cols, cols, cols, cols, cols};
+    for (int t = 0; t < 8; ++t) {
+      qk.rows[t] = 16, qk.colsb[t] = qk_colsb[t];
+      pv.rows[t] = pv_rows[t], pv.colsb[t] = 64;
+    }
+  }
+};
+
+// a thread's buffers for the AMX attention of H heads (G a kv head) of head_dim D
+struct AmxScratch {
+  int H, G, KVH, D;
+  AmxShapes decode, prefill;         // a decode's G rows a kv head; a prefill block's 16
+  std::vector<uint32_t> qt;          // [blocks][KVH][D / 32][16][cols]: the queries as dim pairs
+  std::vector<float> sbuf;           // [AMX_CHUNKS * 16][lanes]: scores, keys major
+  // [AMX_CHUNKS][lanes][16] and a zero row: probabilities, rows major, each as the high half of a
+  // dword (bfloat16 pairs 0, p): the odd dims' A tile as it lies, the even dims' one 2 bytes on
+  std::vector<uint32_t> pp;
+  std::vector<float> alpha;          // [lanes]
+  std::vector<int> lane_pos;         // [lanes]: each lane's query position
+  std::vector<float> c4;             // [4][16][16]: a kv head's outputs, 64 dims (even, odd of 32 twice)
+  std::vector<c10::BFloat16> vtail;  // [16][KVH * D]: a last partial chunk's values, zero past its keys
+  AmxScratch(int H_, int KVH_, int D_)
+      : H(H_), G(H_ / KVH_), KVH(KVH_), D(D_), decode(H_ / KVH_), prefill(16),
+        qt(AMX_ROWS / 16 * KVH_ * D_ / 2 * 16), sbuf(AMX_CHUNKS * 16 * lanes_max(), 0.f),
+        pp((AMX_CHUNKS * lanes_max() + 1) * 16, 0u), alpha(lanes_max()),
+        lane_pos(lanes_max()), c4(4 * 256), vtail(16 * KVH_ * D_) {}
+  int lanes_max() const { return std::max((H + 15) / 16 * 16, 16 * KVH); }
+};
+
+// whether the AMX kernel serves a step of this shape
+inline bool amx_fits(int H, int KVH, int D, int BS) {
+  return amx_permitted() && D % 64 == 0 && H / KVH <= 16 && BS % 16 == 0;
+}
+
+// One unit's rows (nt query tokens from position pos0, every head; token t's head j at
+// q + t * H * D + j * D) over keys [key_lo, key_hi), key_lo a multiple of 16. m, l, o (rows kv
+// head major, then token, then head of the group, as the caller lays them out) come as the
+// caller set them (-inf, 0, 0) and leave as the running max, sum and unnormalised output.
+// A decode's rows (G a kv head) share one block of lanes across the heads; a prefill unit's
+// rows are cut in blocks of 16 a kv head, each block a lane block, every block taking each
+// softmax step's keys while they are in L2. Tiles are not renamed: a load into a tile waits for
+// the products still reading it, so each phase keeps two or four products independent (two
+// chunks, two dim blocks) under its own shapes.
+void amx_attend(AmxScratch& w, const c10::BFloat16* q, int nt, int pos0, const c10::BFloat16* kc,
+                const c10::BFloat16* vc, int64_t slot_stride, const int* table, int BS, int key_lo, int key_hi,
+                int window, float scale, float* m, float* l, float* o) {
+  const int H = w.H, G = w.G, KVH = w.KVH, D = w.D, NDB = D / 32, group_rows = nt * G;
+  const bool decode = nt == 1;
+  const int cols = decode ? G : 16, blocks = decode ? 1 : (group_rows + 15) / 16;
+  const int HS = (KVH * cols + 15) / 16 * 16;  // lanes of a score row
+  const AmxShapes& shapes = decode ? w.decode : w.prefill;
+  const int64_t ld = slot_stride * int64_t(sizeof(c10::BFloat16));  // a key's row, in bytes
+  alignas(64) uint8_t saved[64];
+  _tile_storeconfig(saved);  // whoever used the tiles on this thread (oneDNN) finds its shapes back
+  // the attend arrays' row of block b's column c of kv head h (-1 past the rows)
+  auto row_of = [&](int b, int h, int c) {
+    const int local = b * 16 + c;
+    return decode ? h * G + c : local < group_rows ? h * group_rows + local : -1;
+  };
+  std::fill(w.qt.begin(), w.qt.begin() + blocks * KVH * NDB * 16 * cols, 0u);
+  for (int b = 0; b < blocks; ++b)
+    for (int h = 0; h < KVH; ++h)
+      for (int c = 0; c < cols; ++c) {
+        const int local = decode ? c : b * 16 + c;
+        if (local >= group_rows) break;
+        const int t = local / G, g = local % G;
+        const uint32_t* src = reinterpret_cast<const uint32_t*>(q + int64_t(t) * H * D + (h * G + g) * D);
+        for (int db = 0; db < NDB; ++db)
+          for (int i = 0; i < 16; ++i) w.qt[(((b * KVH + h) * NDB + db) * 16 + i) * cols + c] = src[db * 16 + i];
+      }
+  auto slot_of = [&](int key) { return int64_t(table[key / BS]) * BS + key % BS; };
+  // The next softmax step's keys and values, fetched into L2 a few lines at a time between the
+  // current step's pieces of work: at the tile unit's speed the step is bound by memory, and a
+  // burst of a whole step's lines stalls the core instead of keeping its misses in flight.
+  struct Stream {
+    const char *k[AMX_CHUNKS], *v[AMX_CHUNKS];
+    int64_t bytes[AMX_CHUNKS], off = 0;
+    int nc = 0, c = 0, per_step = 0;
+    inline void issue(int64_t lines) {
+      for (; lines > 0 && c < nc; lines -= 2) {
+        __builtin_prefetch(k[c] + off, 0, 2);
+        __builtin_prefetch(v[c] + off, 0, 2);
+        if ((off += 64) >= bytes[c]) ++c, off = 0;
+      }
+    }
+    inline void step() { issue(per_step); }
+  } ahead;
+  auto fetch_step_from = [&](int s0, int steps) {  // the step at keys s0, spread over `steps` calls
+    ahead.nc = ahead.c = 0, ahead.off = 0;
+    int64_t lines = 0;
+    for (int key0 = s0; key0 < key_hi && ahead.nc < AMX_CHUNKS; key0 += 16, ++ahead.nc) {
+      const int64_t slot = slot_of(key0);
+      ahead.k[ahead.nc] = reinterpret_cast<const char*>(kc + slot * slot_stride);
+      ahead.v[ahead.nc] = reinterpret_cast<const char*>(vc + slot * slot_stride);
+      ahead.bytes[ahead.nc] = std::min(16, key_hi - key0) * ld;
+      lines += 2 * ((ahead.bytes[ahead.nc] + 63) / 64);
+    }
+    ahead.per_step = (lines + steps - 1) / steps + 1;
+  };
+  const __m512i even_dims = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i odd_dims = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  const __m512 neg_inf = _mm512_set1_ps(NEG_INF);
+  const c10::BFloat16 *kbase[AMX_CHUNKS], *vbase[AMX_CHUNKS];
+  fetch_step_from(key_lo, 1);
+  ahead.step();  // the first step's lines at once: nothing to spread them over
+  for (int s0 = key_lo; s0 < key_hi; s0 += AMX_CHUNKS * 16) {
+    const int nc = std::min(AMX_CHUNKS, (key_hi - s0 + 15) / 16), nkeys = std::min(AMX_CHUNKS * 16, key_hi - s0);
+    const int steps_a_block = KVH * ((nc + 1) / 2) + nc * (HS / 16) + KVH * (NDB / 2) * nc;
+    fetch_step_from(s0 + AMX_CHUNKS * 16, blocks * steps_a_block);
+    for (int c = 0; c < nc; ++c) {
+      const int key0 = s0 + 16 * c, n = std::min(16, key_hi - key0);
+      const int64_t slot = slot_of(key0);
+      kbase[c] = kc + slot * slot_stride;  // past n: the block's other slots (masked below)
+      vbase[c] = vc + slot * slot_stride;
+      if (n < 16) {  // the values past the keys must be zeros, not whatever the slots hold (0 x NaN)
+        std::memcpy(w.vtail.data(), vbase[c], n * ld);
+        std::memset(static_cast<void*>(w.vtail.data() + n * slot_stride), 0, (16 - n) * ld);
+        vbase[c] = w.vtail.data();
+      }
+    }
+    for (int b = 0; b < blocks; ++b) {
+      // scores, transposed: sbuf[key][lane], lane h * cols + c
+      _tile_loadconfig(&shapes.qk);
+      for (int h = 0; h < KVH; ++h)
+        for (int c = 0; c < nc; c += 2) {  // two chunks (the second maybe past the keys: skipped)
+          const bool pair = c + 1 < nc;
+          ahead.step();
+          _tile_zero(6);
+          _tile_zero(7);
+          for (int db = 0; db < NDB; db += 2) {
+            _tile_loadd(4, &w.qt[(((b * KVH + h) * NDB + db) * 16) * cols], 4 * cols);
+            _tile_loadd(5, &w.qt[(((b * KVH + h) * NDB + db + 1) * 16) * cols], 4 * cols);
+            _tile_loadd(0, kbase[c] + h * D + db * 32, ld);
+            _tile_loadd(1, kbase[c] + h * D + db * 32 + 32, ld);
+            if (pair) {
+              _tile_loadd(2, kbase[c + 1] + h * D + db * 32, ld);
+              _tile_loadd(3, kbase[c + 1] + h * D + db * 32 + 32, ld);
+            }
+            _tile_dpbf16ps(6, 0, 4);
+            if (pair) _tile_dpbf16ps(7, 2, 4);
+            _tile_dpbf16ps(6, 1, 5);
+            if (pair) _tile_dpbf16ps(7, 3, 5);
+          }
+          _tile_stored(6, &w.sbuf[(c * 16) * HS + h * cols], HS * 4);
+          if (pair) _tile_stored(7, &w.sbuf[((c + 1) * 16) * HS + h * cols], HS * 4);
+        }
+      // each lane's query position (past the rows: one that sees nothing)
+      for (int lane = 0; lane < HS; ++lane) {
+        const int h = lane / cols, c = lane % cols, r = h < KVH ? row_of(b, h, c) : -1;
+        w.lane_pos[lane] = r < 0 ? -1 : pos0 + (decode ? 0 : (b * 16 + c) / G);
+      }
+      // the softmax step, 16 lanes at a time; probabilities transposed into pe / po
+      for (int lb = 0; lb < HS; lb += 16) {
+        // The scores scaled, and -inf where a lane does not see the key (past the keys, causal,
+        // window): the mask only where the step has such keys for some lane.
+        const __m512i pos = _mm512_loadu_si512(&w.lane_pos[lb]);
+        int lo_pos = INT32_MAX;
+        for (int t = 0; t < 16; ++t)
+          if (w.lane_pos[lb + t] >= 0) lo_pos = std::min(lo_pos, w.lane_pos[lb + t]);
+        const int hi_pos = _mm512_reduce_max_epi32(pos);
+        const bool masked = nkeys < nc * 16 || s0 + nkeys - 1 > lo_pos || (window > 0 && s0 <= hi_pos - window);
+        // the lanes' running max and sum, gathered from the rows they stand for
+        alignas(64) float m_lane[16], l_lane[16];
+        for (int t = 0; t < 16; ++t) {
+          const int lane = lb + t, h = lane / cols, r = h < KVH ? row_of(b, h, lane % cols) : -1;
+          m_lane[t] = r < 0 ? NEG_INF : m[r];
+          l_lane[t] = r < 0 ? 0.f : l[r];
+        }
+        // in base 2 from here (scores scaled by log2(e)), the rows' m in natural units
+        const __m512 m_old = _mm512_mul_ps(_mm512_load_ps(m_lane), _mm512_set1_ps(LOG2E));
+        __m512 mx4[4] = {m_old, m_old, m_old, m_old};  // four chains: a max's latency a key otherwise
+        const __m512 sc = _mm512_set1_ps(scale * LOG2E);
+        for (int j = 0; j < nc * 16; ++j) {
+          float* row = &w.sbuf[j * HS + lb];
+          __m512 x = _mm512_mul_ps(_mm512_loadu_ps(row), sc);
+          if (masked) {
+            const int key = s0 + j;
+            __mmask16 seen = j < nkeys ? _mm512_cmp_epi32_mask(_mm512_set1_epi32(key), pos, _MM_CMPINT_LE) : 0;
+            if (window > 0) seen &= _mm512_cmp_epi32_mask(_mm512_set1_epi32(key + window), pos, _MM_CMPINT_GT);
+            x = _mm512_mask_mov_ps(neg_inf, seen, x);
+          }
+          _mm512_storeu_ps(row, x);
+          mx4[j % 4] = _mm512_max_ps(mx4[j % 4], x);
+        }
+        const __m512 mx = _mm512_max_ps(_mm512_max_ps(mx4[0], mx4[1]), _mm512_max_ps(mx4[2], mx4[3]));
+        const __mmask16 none = _mm512_cmp_ps_mask(mx, neg_inf, _CMP_EQ_OQ);  // nothing seen yet
+        const __m512 base = _mm512_mask_mov_ps(mx, none, _mm512_setzero_ps());
+        __m512 sum4[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (int c = 0; c < nc; ++c) {
+          ahead.step();
+          __m512i r[16];
+          for (int j = 0; j < 16; ++j) {
+            const __m512 e = exp2_16(_mm512_sub_ps(_mm512_loadu_ps(&w.sbuf[(c * 16 + j) * HS + lb]), base));
+            sum4[j % 4] = _mm512_add_ps(sum4[j % 4], e);
+            r[j] = _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(e)), 16);
+          }
+          transpose16(r);  // r[t]: lane lb + t's 16 keys
+          for (int t = 0; t < 16; ++t) _mm512_storeu_si512(&w.pp[(c * HS + lb + t) * 16], r[t]);
+        }
+        const __m512 sum = _mm512_add_ps(_mm512_add_ps(sum4[0], sum4[1]), _mm512_add_ps(sum4[2], sum4[3]));
+        const __mmask16 fresh = _mm512_cmp_ps_mask(m_old, neg_inf, _CMP_EQ_OQ);
+        _mm512_storeu_ps(&w.alpha[lb], _mm512_maskz_mov_ps(~fresh, exp2_16(_mm512_sub_ps(m_old, base))));
+        _mm512_store_ps(l_lane, _mm512_add_ps(_mm512_mul_ps(_mm512_load_ps(l_lane), _mm512_loadu_ps(&w.alpha[lb])), sum));
+        _mm512_store_ps(m_lane, _mm512_mul_ps(mx, _mm512_set1_ps(1.f / LOG2E)));
+        for (int t = 0; t < 16; ++t) {
+          const int lane = lb + t, h = lane / cols, r = h < KVH ? row_of(b, h, lane % cols) : -1;
+          if (r >= 0) m[r] = m_lane[t], l[r] = l_lane[t];
+        }
+      }
+      // o = o * alpha + P V, a kv head and 64 dims at a time
+      _tile_loadconfig(&shapes.pv);
+      for (int h = 0; h < KVH; ++h)
+        for (int db = 0; db < NDB; db += 2) {
+          _tile_zero(4);
+          _tile_zero(5);
+          _tile_zero(6);
+          _tile_zero(7);
+          for (int c = 0; c < nc; ++c) {
+            ahead.step();
+            _tile_loadd(2, reinterpret_cast<const char*>(&w.pp[(c * HS + h * cols) * 16]) + 2, 64);
+            _tile_loadd(3, &w.pp[(c * HS + h * cols) * 16], 64);
+            _tile_loadd(0, vbase[c] + h * D + db * 32, ld);
+            _tile_loadd(1, vbase[c] + h * D + db * 32 + 32, ld);
+            _tile_dpbf16ps(4, 2, 0);
+            _tile_dpbf16ps(5, 3, 0);
+            _tile_dpbf16ps(6, 2, 1);
+            _tile_dpbf16ps(7, 3, 1);
+          }
+          _tile_stored(4, &w.c4[0], 64);
+          _tile_stored(5, &w.c4[256], 64);
+          _tile_stored(6, &w.c4[512], 64);
+          _tile_stored(7, &w.c4[768], 64);
+          for (int c = 0; c < cols; ++c) {
+            const int r = row_of(b, h, c);
+            if (r < 0) break;
+            const __m512 a = _mm512_set1_ps(w.alpha[h * cols + c]);
+            for (int half = 0; half < 2; ++half) {
+              const __m512 e = _mm512_loadu_ps(&w.c4[(2 * half) * 256 + c * 16]);
+              const __m512 od = _mm512_loadu_ps(&w.c4[(2 * half + 1) * 256 + c * 16]);
+              const __m512 lo = _mm512_unpacklo_ps(e, od), hi = _mm512_unpackhi_ps(e, od);
+              float* dst = o + int64_t(r) * D + (db + half) * 32;
+              _mm512_storeu_ps(dst, _mm512_fmadd_ps(_mm512_loadu_ps(dst), a, _mm512_permutex2var_ps(lo, even_dims, hi)));
+              _mm512_storeu_ps(dst + 16,
+                               _mm512_fmadd_ps(_mm512_loadu_ps(dst + 16), a, _mm512_permutex2var_ps(lo, odd_dims, hi)));
+            }
+          }
+        }
+    }
+    ahead.issue(INT64_MAX);  // what the step left
+  }
+  if (saved[0] == 0)
+    _tile_release();
+  else
+    _tile_loadconfig(saved);
 }
 #endif
 
 // whether the native variants run (atom::set_native_kernels turns them off, to compare with the portable twin)
 bool g_native = true;
+// whether decodes take the AMX variant where it is built (off: the AVX-512 one, as on a CPU without AMX)
+bool g_amx = true;
 
 struct Unit {
   int seq, q_begin, q_end;  // query tokens [q_begin, q_end) of the sequence, every head
@@ -345,7 +733,13 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
 
   // A unit is a tile of one sequence's query tokens with all its heads, so a chunk of KV
   // (consecutive slots, every head) is read once, in one piece. About 36 rows per kv head.
-  const int tile = std::max(1, 36 / G);
+  // The AMX kernel takes every unit of a bfloat16 step where it fits (batch-invariant calls keep
+  // the one path every tile takes), its prefill units 64 rows a kv head.
+  bool use_amx = false;
+#ifdef ATOM_AMX_BF16
+  use_amx = std::is_same_v<T, c10::BFloat16> && g_native && g_amx && partition == 0 && amx_fits(H, KVH, D, BS);
+#endif
+  const int tile = use_amx ? std::max(1, AMX_ROWS / G) : std::max(1, 36 / G);
   const int window = int(sliding_window);  // 0: the whole causal context
   std::vector<Unit> units;
   int max_span = 0;
@@ -446,10 +840,18 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
     const bool native = is_bf16 && g_native;
     std::vector<uint32_t> qpairs(native ? max_rows * D / 2 : 0), kpairs(native ? D / 2 * 16 : 0);
 #endif
+#ifdef ATOM_AMX_BF16
+    std::unique_ptr<AmxScratch> amx;
+    if (use_amx) amx = std::make_unique<AmxScratch>(H, KVH, D);
+#endif
     // rows' m, l, o over keys [key_lo, key_hi) of unit u
     auto attend = [&](const Unit& u, int key_lo, int key_hi) {
       const int first_pos = lens[u.seq] - (qstart[u.seq + 1] - qstart[u.seq]);
       const int nt = u.q_end - u.q_begin, rows = nt * H, group_rows = nt * G;
+      // Few rows a head (decodes) take their scores from the keys as they lie, where staging the
+      // keys as pairs would cost more than folding each row's sums; batch-invariant calls always
+      // stage, so a row's sums are the same whichever tile it is in.
+      [[maybe_unused]] const bool row_scores = fixed == 0 && group_rows * 10 <= D;
       for (int r = 0; r < rows; ++r) {  // scaled, as float
         const int h = r / group_rows, i = u.q_begin + (r / G) % nt, g = r % G;
         const T* src = qp + (int64_t(qstart[u.seq] + i) * H + h * G + g) * D;
@@ -466,6 +868,15 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
       std::fill(m.begin(), m.begin() + rows, NEG_INF);
       std::fill(l.begin(), l.begin() + rows, 0.f);
       const int* table = tables + int64_t(u.seq) * max_blocks;
+#ifdef ATOM_AMX_BF16
+      if (amx) {
+        amx_attend(*amx, reinterpret_cast<const c10::BFloat16*>(qp) + (int64_t(qstart[u.seq]) + u.q_begin) * H * D, nt,
+                   first_pos + u.q_begin, reinterpret_cast<const c10::BFloat16*>(kp),
+                   reinterpret_cast<const c10::BFloat16*>(vp), slot_stride, table, BS, key_lo, key_hi, window,
+                   float(scale), m.data(), l.data(), o.data());
+        return;
+      }
+#endif
       auto slot_of = [&](int key) { return int64_t(table[key / BS]) * BS + key % BS; };
       for (int key0 = key_lo, n = 0; key0 < key_hi; key0 += n) {
         n = std::min({KW, key_hi - key0, BS - key0 % BS});  // a chunk never crosses a block
@@ -486,11 +897,13 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
 #ifdef ATOM_AVX512_BF16
           if constexpr (is_bf16) {
             if (native) {
-              stage_key_pairs(kb, slot_stride, n, D / 2, kpairs.data());
+              const bool staged = !row_scores;
+              if (staged) stage_key_pairs(kb, slot_stride, n, D / 2, kpairs.data());
               ak.issue(h + 1 < KVH ? piece : ak.left);
               av.issue(piece);
-              bf16_rows_dispatch(group_rows, &qpairs[r0 * D / 2], D / 2, kpairs.data(), vsrc, slot_stride, n, &qpos[r0],
-                                 key0, window, float(scale), &m[r0], &l[r0], &o[r0 * D]);
+              bf16_rows_dispatch(group_rows, &qpairs[r0 * D / 2], D / 2, staged ? kpairs.data() : nullptr, kb,
+                                 slot_stride, vsrc, slot_stride, n, &qpos[r0], key0, window, float(scale), &m[r0],
+                                 &l[r0], &o[r0 * D]);
               av.issue(h + 1 < KVH ? piece : av.left);
               continue;
             }
@@ -617,6 +1030,9 @@ std::vector<std::string> native_kernels() {
 #ifdef ATOM_AVX512_BF16
   names.push_back("paged_attention_avx512_bf16");
 #endif
+#ifdef ATOM_AMX_BF16
+  if (amx_permitted()) names.push_back("paged_attention_amx_bf16");
+#endif
 #ifdef ATOM_ELEMENTWISE_AVX512
   names.push_back("elementwise_avx512");  // ops.cpp
 #endif
@@ -634,6 +1050,13 @@ bool set_native_kernels(bool enabled) {
   return before;
 }
 
+// turns the AMX decode variant on or off (the AVX-512 one runs instead); returns the previous setting
+bool set_amx_kernels(bool enabled) {
+  const bool before = g_amx;
+  g_amx = enabled;
+  return before;
+}
+
 TORCH_LIBRARY(atom, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
@@ -641,6 +1064,7 @@ TORCH_LIBRARY(atom, m) {
       "Tensor? sinks=None, int partition=0) -> ()");
   m.def("native_kernels() -> str[]", &native_kernels);
   m.def("set_native_kernels(bool enabled) -> bool", &set_native_kernels);
+  m.def("set_amx_kernels(bool enabled) -> bool", &set_amx_kernels);
 }
 
 TORCH_LIBRARY_IMPL(atom, CPU, m) { m.impl("paged_attention", &paged_attention); }

@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from atom_anyio import kernels
 from atom_anyio.models.attention.metadata import AttentionMetadata
 from atom_anyio.models.ops import CpuOps, InvariantCpuOps
 
@@ -23,15 +24,20 @@ class CpuPagedAttention:
     (``InvariantCpuOps``): a sequence's logits are the same bits alone or batched, in one prefill or
     in chunks, computed or taken from the prefix cache."""
 
-    def __init__(self, paged_prefill: bool = False, batch_invariant: bool = False):
+    def __init__(self, paged_prefill: bool = False, batch_invariant: bool = False, amx_prefill: bool = False):
         self.paged_prefill = paged_prefill or batch_invariant
         self.batch_invariant = batch_invariant
+        # prefill chunks through the kernel while it runs on the AMX tiles (auto's choice for
+        # bfloat16 on such a CPU), through SDPA when cpu_amx_attention=false turns them off
+        self.amx_prefill = amx_prefill
         self.ops = InvariantCpuOps if batch_invariant else CpuOps
         self.name = "cpu_paged" if self.paged_prefill else "cpu"
 
     def runs_in_kernel(self, meta: AttentionMetadata) -> bool:
         """Whether the kernel runs the whole step (what the fused decoder, which has only the kernel, can match)."""
-        return self.paged_prefill or meta.num_decode == meta.num_seqs
+        if self.paged_prefill or meta.num_decode == meta.num_seqs:
+            return True
+        return self.amx_prefill and kernels.amx_attention_active()
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, *, sliding_window=None, sinks=None):
         meta.store_kv(k, v, k_cache, v_cache)
