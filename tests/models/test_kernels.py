@@ -509,8 +509,10 @@ def test_the_amx_decode_leaves_the_tiles_as_torch_set_them():
     assert torch.equal(decoded, CpuPagedAttention().forward(*step))
 
 
-def os_threads() -> int:
-    return len(os.listdir("/proc/self/task"))
+def os_threads() -> set[str]:
+    """The process's threads by id (others' threads, an earlier test's engine among them, may come
+    and go meanwhile: the tests follow the ids they saw appear)."""
+    return set(os.listdir("/proc/self/task"))
 
 
 def test_release_openmp_threads_ends_the_calling_threads_pool():
@@ -520,9 +522,10 @@ def test_release_openmp_threads_ends_the_calling_threads_pool():
         kernels.release_openmp_threads()
         before = os_threads()
         torch.ones(1 << 24).sum()  # one OpenMP region: a pool with one more thread
-        assert os_threads() == before + 1
+        pool = os_threads() - before
+        assert pool
         assert kernels.release_openmp_threads()
-        assert os_threads() == before
+        assert not pool & os_threads()
     finally:
         torch.set_num_threads(previous)
 
@@ -537,7 +540,7 @@ def test_the_thread_that_builds_an_engine_keeps_no_openmp_pool(tiny_model_dir):
         llm = LLM(str(tiny_model_dir), num_kv_blocks=64)
         after_build = os_threads()
         kernels.release_openmp_threads()  # nothing left to release
-        assert os_threads() == after_build
+        assert after_build <= os_threads()
         assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
     finally:
         torch.set_num_threads(previous)
