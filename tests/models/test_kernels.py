@@ -262,13 +262,20 @@ def test_auto_picks_the_prefill_path_by_the_cpu_and_dtype(monkeypatch, flags, dt
 )
 def test_amx_prefill_follows_the_tiles_setting():
     """auto's AMX backend runs prefill chunks in the kernel while the tiles serve it, and through
-    SDPA when cpu_amx_attention=false turns them off (the AVX512-BF16 variant's prefill is slower)."""
-    meta = paged_step([1, 40], [300, 90], 9, 3, 64, 16, dtype=torch.bfloat16)[-1]
+    SDPA when cpu_amx_attention=false turns them off (the AVX512-BF16 variant's prefill is slower),
+    or when the step starts a long prompt (SDPA's causal blocks are faster there)."""
     backend = CpuPagedAttention(amx_prefill=True)
-    assert backend.runs_in_kernel(meta)
+
+    def in_kernel(query_lens, context_lens):
+        return backend.runs_in_kernel(paged_step(query_lens, context_lens, 9, 3, 64, 16, dtype=torch.bfloat16)[-1])
+
+    assert in_kernel([1, 40], [300, 90])  # a chunk over a cached prefix
+    assert in_kernel([1, 600], [300, 600])  # a short fresh prompt
+    assert in_kernel([1, 1500], [300, 2000])  # a long chunk over a cached prefix
+    assert not in_kernel([1, 1100], [300, 1100])  # a long fresh prompt
     before = kernels.use_amx_kernels(False)
     try:
-        assert not backend.runs_in_kernel(meta)
+        assert not in_kernel([1, 40], [300, 90])
     finally:
         kernels.use_amx_kernels(before)
 

@@ -34,6 +34,17 @@ class AttentionMetadata:
     # seq_lens, block_tables, query_start_loc as built on the host, for planners that read them
     # there (FlashInfer's plan): copying them back from a GPU would be a host sync per step
     host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    fresh_rows: int | None = field(default=None, repr=False)  # longest_fresh_prefill's answer
+
+    def longest_fresh_prefill(self) -> int:
+        """The most tokens of a prefill chunk that starts a prompt (no cached prefix), 0 without one."""
+        if self.fresh_rows is None:
+            seq_lens, _, query_start = self.host or (self.seq_lens, self.block_tables, self.query_start_loc)
+            nd = self.num_decode
+            rows = (query_start[nd + 1 :] - query_start[nd:-1]).long()
+            fresh = rows == seq_lens[nd:].long()
+            self.fresh_rows = int(rows[fresh].max()) if bool(fresh.any()) else 0
+        return self.fresh_rows
 
     @classmethod
     def build(
