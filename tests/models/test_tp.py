@@ -20,6 +20,7 @@ import torch
 import transformers
 from support import Served, clean_env, free_port, running, wait_ready, write_tiny_llama
 
+from atom_anyio import kernels
 from atom_anyio.config import Config
 from atom_anyio.llm import LLM
 from atom_anyio.models.quant import Q, QuantizedWeight
@@ -88,6 +89,25 @@ def test_greedy_output_at_two_ranks_equals_one_and_transformers_with_a_replicate
         assert two.engine.worker.model.config.num_attention_heads == 2
         at_two = [o.outputs[0].token_ids for o in two.generate(ids, greedy(24))]
     assert at_two == at_one == [transformers_greedy(replicated_kv_dir, p, 24) for p in ids]
+
+
+def test_every_rank_runs_the_kernel_variants_the_engine_was_given(replicated_kv_dir):
+    """cpu_native_kernels and cpu_amx_attention reach rank 0's worker and every rank's process."""
+    off = {"native_kernels": False, "amx_attention": False}
+    try:
+        with offline(
+            str(replicated_kv_dir),
+            kv_cache_gib=0.02,
+            tensor_parallel_size=2,
+            cpu_native_kernels=False,
+            cpu_amx_attention=False,
+        ) as two:
+            assert kernels.kernel_settings() == off
+            assert two.engine.worker.rank_kernels == [off]
+            assert two.generate([[5, 99, 1234]], greedy(4))[0].outputs[0].token_ids
+    finally:
+        kernels.use_native_kernels(True)
+        kernels.use_amx_kernels(True)
 
 
 @pytest.mark.slow

@@ -35,6 +35,7 @@ from multiprocessing.connection import Connection
 import torch
 import torch.distributed as dist
 
+from atom_anyio import kernels
 from atom_anyio.engine.engine_config import EngineConfig
 from atom_anyio.engine.step import StepInput
 from atom_anyio.engine.worker import Worker, WorkerFailed
@@ -56,6 +57,8 @@ class RankSpec:
     block_size: int
     num_threads: int
     store_port: int  # rank 0's rendezvous store
+    native_kernels: bool = True  # the engine's cpu_native_kernels
+    amx_attention: bool = True  # and cpu_amx_attention, which each rank's process applies too
 
 
 class TensorParallelWorker(Worker):
@@ -70,18 +73,36 @@ class TensorParallelWorker(Worker):
             )
         if dist.is_initialized():
             raise RuntimeError("one tensor-parallel engine per process: close the other one (worker.close()) first")
-        super().__init__(loaded.model, num_blocks, cfg.block_size, cfg.threads_per_rank)
+        super().__init__(
+            loaded.model,
+            num_blocks,
+            cfg.block_size,
+            cfg.threads_per_rank,
+            native_kernels=cfg.cpu_native_kernels,
+            amx_attention=cfg.cpu_amx_attention,
+        )
         # port 0: any free one; the ranks join the group only once they have loaded their shards
         self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
         specs = [
-            RankSpec(loaded.source, r, size, num_blocks, cfg.block_size, cfg.threads_per_rank, self._store.port)
+            RankSpec(
+                loaded.source,
+                r,
+                size,
+                num_blocks,
+                cfg.block_size,
+                cfg.threads_per_rank,
+                self._store.port,
+                cfg.cpu_native_kernels,
+                cfg.cpu_amx_attention,
+            )
             for r in range(1, size)
         ]
         self.ranks = [Rank.start(spec) for spec in specs]
         self.close = weakref.finalize(self, _stop, self.ranks)  # also at interpreter exit
+        self.rank_kernels: list[dict[str, bool] | None] = []  # what each rank's kernels run (None: not the CPU's)
         try:
             for rank in self.ranks:
-                rank.wait_ready()
+                self.rank_kernels.append(rank.wait_ready())
             join_group(0, size, self._store, self.device)
         except BaseException:
             self.close()
@@ -131,15 +152,18 @@ class Rank:
         conn.send_bytes(pickle.dumps(spec))
         return cls(spec.rank, process, conn)
 
-    def wait_ready(self) -> None:
+    def wait_ready(self) -> dict[str, bool] | None:
+        """Waits for the rank to load its shard; returns what its CPU kernels run (None off the CPU)."""
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not self.conn.poll(0.1):  # bounded waits on the socket, watching the process
             if self.process.poll() is not None:
                 raise RuntimeError(f"rank {self.rank} exited with {self.process.returncode} while loading its shard")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"rank {self.rank} not ready after {READY_TIMEOUT_S} s")
-        if error := pickle.loads(self.conn.recv_bytes()):
+        error, settings = pickle.loads(self.conn.recv_bytes())
+        if error:
             raise RuntimeError(f"rank {self.rank}: {error}")
+        return settings
 
     def stop(self) -> None:
         with contextlib.suppress(OSError):  # already gone
@@ -202,11 +226,19 @@ def main(fd: int, parent: int) -> int:
         loaded = load_model(
             s.path, s.dtype, device, s.attention_backend, spec.size, spec.rank, s.gguf_weights, s.batch_invariant
         )
-        worker = Worker(loaded.model, spec.num_blocks, spec.block_size, spec.num_threads)
+        worker = Worker(
+            loaded.model,
+            spec.num_blocks,
+            spec.block_size,
+            spec.num_threads,
+            native_kernels=spec.native_kernels,
+            amx_attention=spec.amx_attention,
+        )
+        settings = kernels.kernel_settings() if device.type == "cpu" and kernels.load_cpu_kernels() is None else None
     except Exception as exc:
-        conn.send_bytes(pickle.dumps(f"{type(exc).__name__}: {exc}"))
+        conn.send_bytes(pickle.dumps((f"{type(exc).__name__}: {exc}", None)))
         return 1
-    conn.send_bytes(pickle.dumps(None))
+    conn.send_bytes(pickle.dumps((None, settings)))
     join_group(spec.rank, spec.size, dist.TCPStore("127.0.0.1", spec.store_port, timeout=COLLECTIVE_TIMEOUT), device)
     try:
         serve_steps(worker, conn)

@@ -84,6 +84,13 @@ def use_amx_kernels(enabled: bool) -> bool:
     return bool(torch.ops.atom.set_amx_kernels(enabled))
 
 
+def kernel_settings() -> dict[str, bool]:
+    """What this process's kernels run now: the native variants, the AMX attention (each as last set)."""
+    native = bool(torch.ops.atom.set_native_kernels(True))
+    torch.ops.atom.set_native_kernels(native)
+    return {"native_kernels": native, "amx_attention": _amx_wanted[0]}
+
+
 @functools.cache
 def has_amx_attention() -> bool:
     """The build has the AMX attention variant and the OS lends this process the tiles."""
