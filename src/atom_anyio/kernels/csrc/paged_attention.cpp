@@ -398,13 +398,13 @@ inline void bf16_rows_dispatch(int rows, const uint32_t* q, int P, const uint32_
 
 #if defined(ATOM_AVX512_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define ATOM_AMX_BF16 1
-// The AMX variant for decodes over a bfloat16 cache: both products on the tile unit, which does a
-// 16 x 16 x 32 block in the time AVX-512 does a few hundred pair dot products (on a 2-core Xeon
-// with AMX: 1.6 TMAC/s against 30 GMAC/s for vdpbf16ps), with no key or value staged:
+// The AMX variant for a bfloat16 cache (decodes and prefill units): both products on the tile
+// unit, which does a 16 x 16 x 32 block in the time AVX-512 does a few hundred pair dot products
+// (on a 2-core Xeon with AMX: 1.6 TMAC/s against 30 GMAC/s for vdpbf16ps), no key or value staged:
 // - scores transposed, S^T = K Q^T: the keys, 16 of a chunk straight from the cache, are the A
 //   tile (rows: keys, 32 dims a tile), the queries of the kv head as dim pairs (prepared once) B;
-// - the softmax of AMX_CHUNKS chunks at once, one lane per query row (every head together), its
-//   probabilities transposed to rows of 16 keys;
+// - the softmax of AMX_CHUNKS chunks at once, one lane per query row, its probabilities
+//   transposed to rows of 16 keys;
 // - O += P V with the values straight from the cache as B (rows: keys, 16 dim pairs a row): the
 //   tile unit sums over pairs (key, dim parity), so P goes in twice, as the even halves of dwords
 //   (the other half zero: the even dims out) and as the odd halves (the odd dims out).
