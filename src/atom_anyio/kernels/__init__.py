@@ -73,22 +73,17 @@ def use_native_kernels(enabled: bool) -> bool:
     return bool(torch.ops.atom.set_native_kernels(enabled))
 
 
-_amx_wanted = [True]  # what use_amx_kernels last set (the kernels keep their own copy)
-
-
 def use_amx_kernels(enabled: bool) -> bool:
     """Run bfloat16 attention in the kernel on the AMX tiles where the build has them (the
     default), or through the AVX512-BF16 variant, as on a CPU without AMX; returns the previous
     setting."""
-    _amx_wanted[0] = enabled
     return bool(torch.ops.atom.set_amx_kernels(enabled))
 
 
 def kernel_settings() -> dict[str, bool]:
     """What this process's kernels run now: the native variants, the AMX attention (each as last set)."""
-    native = bool(torch.ops.atom.set_native_kernels(True))
-    torch.ops.atom.set_native_kernels(native)
-    return {"native_kernels": native, "amx_attention": _amx_wanted[0]}
+    native, amx = torch.ops.atom.kernel_settings()
+    return {"native_kernels": native, "amx_attention": amx}
 
 
 @functools.cache
@@ -99,7 +94,7 @@ def has_amx_attention() -> bool:
 
 def amx_attention_active() -> bool:
     """bfloat16 attention in the kernel runs on the AMX tiles now (built, lent, not turned off)."""
-    return _amx_wanted[0] and has_amx_attention()
+    return has_amx_attention() and torch.ops.atom.kernel_settings()[1]
 
 
 def has_native_bf16() -> bool:

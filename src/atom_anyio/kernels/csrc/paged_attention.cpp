@@ -26,6 +26,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "kernels.h"
@@ -467,6 +468,7 @@ struct AmxScratch {
   // dword (bfloat16 pairs 0, p): the odd dims' A tile as it lies, the even dims' one 2 bytes on
   std::vector<uint32_t> pp;
   std::vector<float> alpha;          // [lanes]
+  std::vector<int> lane_row;         // [lanes]: each lane's row of the attend arrays (-1: none)
   std::vector<int> lane_pos;         // [lanes]: each lane's query position
   std::vector<float> c4;             // [4][16][16]: a kv head's outputs, 64 dims (even, odd of 32 twice)
   std::vector<c10::BFloat16> vtail;  // [16][KVH * D]: a last partial chunk's values, zero past its keys
@@ -474,7 +476,7 @@ struct AmxScratch {
       : H(H_), G(H_ / KVH_), KVH(KVH_), D(D_), decode(H_ / KVH_), prefill(16),
         qt(AMX_ROWS / 16 * KVH_ * D_ / 2 * 16), sbuf(AMX_CHUNKS * 16 * lanes_max(), 0.f),
         pp((AMX_CHUNKS * lanes_max() + 1) * 16, 0u), alpha(lanes_max()),
-        lane_pos(lanes_max()), c4(4 * 256), vtail(16 * KVH_ * D_) {}
+        lane_row(lanes_max()), lane_pos(lanes_max()), c4(4 * 256), vtail(16 * KVH_ * D_) {}
   int lanes_max() const { return std::max((H + 15) / 16 * 16, 16 * KVH); }
 };
 
@@ -503,11 +505,6 @@ void amx_attend(AmxScratch& w, const c10::BFloat16* q, int nt, int pos0, const c
   const int64_t ld = slot_stride * int64_t(sizeof(c10::BFloat16));  // a key's row, in bytes
   alignas(64) uint8_t saved[64];
   _tile_storeconfig(saved);  // whoever used the tiles on this thread (oneDNN) finds its shapes back
-  // the attend arrays' row of block b's column c of kv head h (-1 past the rows)
-  auto row_of = [&](int b, int h, int c) {
-    const int local = b * 16 + c;
-    return decode ? h * G + c : local < group_rows ? h * group_rows + local : -1;
-  };
   std::fill(w.qt.begin(), w.qt.begin() + blocks * KVH * NDB * 16 * cols, 0u);
   for (int b = 0; b < blocks; ++b)
     for (int h = 0; h < KVH; ++h)
@@ -595,10 +592,13 @@ void amx_attend(AmxScratch& w, const c10::BFloat16* q, int nt, int pos0, const c
           _tile_stored(6, &w.sbuf[(c * 16) * HS + h * cols], HS * 4);
           if (pair) _tile_stored(7, &w.sbuf[((c + 1) * 16) * HS + h * cols], HS * 4);
         }
-      // each lane's query position (past the rows: one that sees nothing)
+      // each lane's row of the attend arrays and query position (past the rows: -1, a position
+      // that sees nothing)
       for (int lane = 0; lane < HS; ++lane) {
-        const int h = lane / cols, c = lane % cols, r = h < KVH ? row_of(b, h, c) : -1;
-        w.lane_pos[lane] = r < 0 ? -1 : pos0 + (decode ? 0 : (b * 16 + c) / G);
+        const int h = lane / cols, c = lane % cols, local = decode ? c : b * 16 + c;
+        const int r = h >= KVH || local >= group_rows ? -1 : h * group_rows + local;
+        w.lane_row[lane] = r;
+        w.lane_pos[lane] = r < 0 ? -1 : pos0 + local / G;
       }
       // the softmax step, 16 lanes at a time; probabilities transposed into pe / po
       for (int lb = 0; lb < HS; lb += 16) {
@@ -613,7 +613,7 @@ void amx_attend(AmxScratch& w, const c10::BFloat16* q, int nt, int pos0, const c
         // the lanes' running max and sum, gathered from the rows they stand for
         alignas(64) float m_lane[16], l_lane[16];
         for (int t = 0; t < 16; ++t) {
-          const int lane = lb + t, h = lane / cols, r = h < KVH ? row_of(b, h, lane % cols) : -1;
+          const int r = w.lane_row[lb + t];
           m_lane[t] = r < 0 ? NEG_INF : m[r];
           l_lane[t] = r < 0 ? 0.f : l[r];
         }
@@ -653,10 +653,8 @@ void amx_attend(AmxScratch& w, const c10::BFloat16* q, int nt, int pos0, const c
         _mm512_storeu_ps(&w.alpha[lb], _mm512_maskz_mov_ps(~fresh, exp2_16(_mm512_sub_ps(m_old, base))));
         _mm512_store_ps(l_lane, _mm512_add_ps(_mm512_mul_ps(_mm512_load_ps(l_lane), _mm512_loadu_ps(&w.alpha[lb])), sum));
         _mm512_store_ps(m_lane, _mm512_mul_ps(mx, _mm512_set1_ps(1.f / LOG2E)));
-        for (int t = 0; t < 16; ++t) {
-          const int lane = lb + t, h = lane / cols, r = h < KVH ? row_of(b, h, lane % cols) : -1;
-          if (r >= 0) m[r] = m_lane[t], l[r] = l_lane[t];
-        }
+        for (int t = 0; t < 16; ++t)
+          if (const int r = w.lane_row[lb + t]; r >= 0) m[r] = m_lane[t], l[r] = l_lane[t];
       }
       // o = o * alpha + P V, a kv head and 64 dims at a time
       _tile_loadconfig(&shapes.pv);
@@ -682,7 +680,7 @@ void amx_attend(AmxScratch& w, const c10::BFloat16* q, int nt, int pos0, const c
           _tile_stored(6, &w.c4[512], 64);
           _tile_stored(7, &w.c4[768], 64);
           for (int c = 0; c < cols; ++c) {
-            const int r = row_of(b, h, c);
+            const int r = w.lane_row[h * cols + c];
             if (r < 0) break;
             const __m512 a = _mm512_set1_ps(w.alpha[h * cols + c]);
             for (int half = 0; half < 2; ++half) {
@@ -708,7 +706,7 @@ void amx_attend(AmxScratch& w, const c10::BFloat16* q, int nt, int pos0, const c
 
 // whether the native variants run (atom::set_native_kernels turns them off, to compare with the portable twin)
 bool g_native = true;
-// whether decodes take the AMX variant where it is built (off: the AVX-512 one, as on a CPU without AMX)
+// whether bfloat16 units take the AMX variant where it is built (off: the AVX-512 one, as on a CPU without AMX)
 bool g_amx = true;
 
 struct Unit {
@@ -852,18 +850,6 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
       // keys as pairs would cost more than folding each row's sums; batch-invariant calls always
       // stage, so a row's sums are the same whichever tile it is in.
       [[maybe_unused]] const bool row_scores = fixed == 0 && group_rows * 10 <= D;
-      for (int r = 0; r < rows; ++r) {  // scaled, as float
-        const int h = r / group_rows, i = u.q_begin + (r / G) % nt, g = r % G;
-        const T* src = qp + (int64_t(qstart[u.seq] + i) * H + h * G + g) * D;
-        qpos[r] = first_pos + i;
-#ifdef ATOM_AVX512_BF16
-        if (native) {  // the row as bfloat16 pairs, unscaled (the scores are scaled in float)
-          std::memcpy(&qpairs[r * D / 2], src, D * sizeof(T));
-          continue;
-        }
-#endif
-        for (int d = 0; d < D; ++d) qs[r * D + d] = float(src[d]) * float(scale);
-      }
       std::fill(o.begin(), o.begin() + rows * D, 0.f);
       std::fill(m.begin(), m.begin() + rows, NEG_INF);
       std::fill(l.begin(), l.begin() + rows, 0.f);
@@ -877,6 +863,18 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
         return;
       }
 #endif
+      for (int r = 0; r < rows; ++r) {  // scaled, as float
+        const int h = r / group_rows, i = u.q_begin + (r / G) % nt, g = r % G;
+        const T* src = qp + (int64_t(qstart[u.seq] + i) * H + h * G + g) * D;
+        qpos[r] = first_pos + i;
+#ifdef ATOM_AVX512_BF16
+        if (native) {  // the row as bfloat16 pairs, unscaled (the scores are scaled in float)
+          std::memcpy(&qpairs[r * D / 2], src, D * sizeof(T));
+          continue;
+        }
+#endif
+        for (int d = 0; d < D; ++d) qs[r * D + d] = float(src[d]) * float(scale);
+      }
       auto slot_of = [&](int key) { return int64_t(table[key / BS]) * BS + key % BS; };
       for (int key0 = key_lo, n = 0; key0 < key_hi; key0 += n) {
         n = std::min({KW, key_hi - key0, BS - key0 % BS});  // a chunk never crosses a block
@@ -1050,12 +1048,15 @@ bool set_native_kernels(bool enabled) {
   return before;
 }
 
-// turns the AMX decode variant on or off (the AVX-512 one runs instead); returns the previous setting
+// turns the AMX variant on or off (the AVX-512 one runs instead); returns the previous setting
 bool set_amx_kernels(bool enabled) {
   const bool before = g_amx;
   g_amx = enabled;
   return before;
 }
+
+// what set_native_kernels and set_amx_kernels last set
+std::tuple<bool, bool> kernel_settings() { return {g_native, g_amx}; }
 
 TORCH_LIBRARY(atom, m) {
   m.def(
@@ -1065,6 +1066,7 @@ TORCH_LIBRARY(atom, m) {
   m.def("native_kernels() -> str[]", &native_kernels);
   m.def("set_native_kernels(bool enabled) -> bool", &set_native_kernels);
   m.def("set_amx_kernels(bool enabled) -> bool", &set_amx_kernels);
+  m.def("kernel_settings() -> (bool, bool)", &kernel_settings);
 }
 
 TORCH_LIBRARY_IMPL(atom, CPU, m) { m.impl("paged_attention", &paged_attention); }
