@@ -14,7 +14,7 @@ from test_quant import tiny_wide_ggufs
 
 from atom_anyio import LLM, SamplingParams, kernels
 from atom_anyio.models.loader import load_model
-from atom_anyio.models.ops import CpuOps, can_pack_bf16, pack_bf16_linears
+from atom_anyio.models.ops import CpuOps, can_pack_bf16, pack_bf16_linears, use_amx_linears
 
 Q = gguf.GGMLQuantizationType
 LONG_PROMPT = [258 + (i * 7) % 4 for i in range(40)] + [(i * 37) % 250 + 5 for i in range(260)]  # 300 tokens
@@ -93,21 +93,54 @@ async def test_default_server_answers_long_prompts_and_stays_healthy(smollm2_pat
         assert (await client.get("/health")).status_code == 200
 
 
+AMX_LINEAR = "linear_amx_bf16"
+
+
 @pytest.mark.skipif(not can_pack_bf16(), reason="packed bfloat16 GEMM: oneDNN has no native bfloat16 on this CPU")
+@pytest.mark.parametrize(
+    "amx",
+    [
+        pytest.param(False, id="onednn"),  # what a CPU with AVX512-BF16 and no AMX runs
+        pytest.param(
+            True,
+            id="amx",
+            marks=pytest.mark.skipif(
+                AMX_LINEAR not in kernels.native_kernels(), reason=f"{AMX_LINEAR}: no AMX tiles on this CPU or OS"
+            ),
+        ),
+    ],
+)
 @pytest.mark.parametrize("rows", [1, 3, 5, 16, 100])
-def test_packed_bfloat16_linears_give_the_plain_gemms_bits(tiny_q4_1, rows):
+def test_packed_bfloat16_linears_give_the_plain_gemms_result(tiny_q4_1, rows, amx):
+    """Each layout the packed linears take: oneDNN's gives F.linear's bits; the AMX GEMM's is within
+    a bfloat16 rounding of them. Converting the model from one layout to the other (as cpu_amx does
+    at start) and back keeps the weights."""
     model = load_model(str(tiny_q4_1), "bfloat16", attention_backend="cpu", gguf_weights="both").model
-    float_layer = torch.nn.Linear(256, 96, bias=True).bfloat16()
-    pack_bf16_linears(float_layer)
     quantized = model.model.layers[0].mlp.gate_up_proj
-    assert quantized.packed_weight is not None and model.lm_head.packed_weight is not None
+    weight = quantized.weight.dequantize()
+    use_amx_linears(model, not amx)
+    use_amx_linears(model, amx)
+    float_layer = torch.nn.Linear(256, 96, bias=True).bfloat16()
+    pack_bf16_linears(float_layer, amx)
+    packed = "amx_weight" if amx else "packed_weight"
+    for layer in (quantized, model.lm_head, float_layer):
+        assert getattr(layer, packed) is not None, layer
+        assert getattr(layer, "packed_weight" if amx else "amx_weight") is None, layer
     # the packed copy replaces the dense one, which only an embedding's lookups keep
     assert quantized.weight.dense is None and model.model.embed_tokens.weight.dense is not None
     x = torch.randn(rows, 256).bfloat16()
     with torch.inference_mode():
-        assert torch.equal(CpuOps.linear(x, float_layer), F.linear(x, float_layer.weight, float_layer.bias))
+        plain = F.linear(x, float_layer.weight, float_layer.bias)
+        if amx:
+            torch.testing.assert_close(CpuOps.linear(x, float_layer), plain, rtol=2**-7, atol=1e-2)
+        else:
+            assert torch.equal(CpuOps.linear(x, float_layer), plain)
         if rows > CpuOps.MAX_GEMV_ROWS:  # fewer rows stream the blocks through the GEMV
-            assert torch.equal(CpuOps.linear(x, quantized), F.linear(x, quantized.weight.dequantize()))
+            got, want = CpuOps.linear(x, quantized), F.linear(x, weight)
+            if amx:
+                torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-2)
+            else:
+                assert torch.equal(got, want)
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +157,7 @@ def tiny_head_dim_64(tmp_path_factory, smollm2_path):
         "cpu_native_kernels",
         # decodes on the AVX512-BF16 variant (what a Zen 4/5 runs) on a CPU with AMX
         pytest.param(
-            "cpu_amx_attention",
+            "cpu_amx",
             marks=pytest.mark.skipif(
                 "paged_attention_amx_bf16" not in kernels.native_kernels(),
                 reason="paged_attention_amx_bf16: no AMX tiles on this CPU or OS",
@@ -135,7 +168,7 @@ def tiny_head_dim_64(tmp_path_factory, smollm2_path):
 def test_a_variant_auto_picks_elsewhere_can_be_forced_and_answers_alike(tiny_q4_1, tiny_head_dim_64, setting):
     """Turning a setting off runs what another CPU kind gets, on any CPU, and it answers alike.
     The AMX kernel takes head_dim 64 (prefill chunks and decodes, under auto's backend)."""
-    toggle = {"cpu_native_kernels": kernels.use_native_kernels, "cpu_amx_attention": kernels.use_amx_kernels}[setting]
+    toggle = {"cpu_native_kernels": kernels.use_native_kernels, "cpu_amx": kernels.use_amx_kernels}[setting]
     dtype, gguf_weights = CPU_COMBINATIONS["bfloat16+packed"]
     model, backend = (tiny_q4_1, "cpu_paged") if setting == "cpu_native_kernels" else (tiny_head_dim_64, "auto")
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
@@ -145,6 +178,9 @@ def test_a_variant_auto_picks_elsewhere_can_be_forced_and_answers_alike(tiny_q4_
             loaded = load_model(str(model), dtype, attention_backend=backend, gguf_weights=gguf_weights)
             llm = LLM(loaded, num_kv_blocks=64, **{setting: on})
             assert toggle(on) == on  # what the engine set
+            if setting == "cpu_amx":  # the linears too: the tiles' layout, or oneDNN's as without AMX
+                layers = [m for m in llm.engine.worker.model.modules() if hasattr(m, "amx_weight")]
+                assert layers and all((m.amx_weight is not None) == on for m in layers)
             outputs[on] = [o.outputs[0] for o in llm.generate([LONG_PROMPT, LONG_PROMPT[:37]], params)]
     finally:
         toggle(True)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from support import CPU_COMBINATIONS
 from test_models_arch import random_hf_model
-from test_quant import random_quantized, tiny_chat_gguf  # noqa: F401, F811 (a fixture)
+from test_quant import random_quantized, tiny_chat_gguf, tiny_wide_ggufs  # noqa: F401, F811 (a fixture)
 
 from atom_anyio import LLM, SamplingParams, kernels
 from atom_anyio.models import quant
@@ -44,8 +44,13 @@ def linears(dtype: torch.dtype) -> dict[str, torch.nn.Module]:
     layers["quantized+dense"] = QuantLinear(blocks.with_dense(), has_bias=False)
     if dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
         packed = torch.nn.Sequential(torch.nn.Linear(96, 80, bias=True).to(dtype))
-        pack_bf16_linears(packed)
+        pack_bf16_linears(packed, amx=False)  # what a CPU with AVX512-BF16 and no AMX runs
         layers["packed"] = packed[0]
+    if dtype == torch.bfloat16 and kernels.has_amx_linears():
+        tiles = torch.nn.Sequential(torch.nn.Linear(96, 80, bias=True).to(dtype))
+        pack_bf16_linears(tiles, amx=True)
+        assert tiles[0].amx_weight is not None
+        layers["amx"] = tiles[0]
     return layers
 
 
@@ -73,7 +78,9 @@ def quant_or_dense(layer) -> torch.Tensor:
 # the attention kernel
 
 
-def attention(q, k_cache, v_cache, contexts: list[int], queries: list[int], tables: list[list[int]], block_size: int):
+def attention(
+    q, k_cache, v_cache, contexts: list[int], queries: list[int], tables: list[list[int]], block_size: int, window: int
+):
     """The kernel's batch-invariant output for one step: sequence ``i`` has ``contexts[i]`` keys in
     the cache, the last ``queries[i]`` of them queried now (``q``'s rows, sequence after sequence)."""
     meta = AttentionMetadata.build(tables, contexts, queries, block_size, torch.device("cpu"))
@@ -82,41 +89,63 @@ def attention(q, k_cache, v_cache, contexts: list[int], queries: list[int], tabl
     scale = 1.0 / math.sqrt(q.shape[-1])
     tables_, lens, starts = meta.block_tables, meta.seq_lens, meta.query_start_loc
     torch.ops.atom.paged_attention(
-        out, q, k_cache, v_cache, tables_, lens, starts, block_size, scale, 0, None, partition
+        out, q, k_cache, v_cache, tables_, lens, starts, block_size, scale, window, None, partition
     )
     return out
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["native", "portable"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_the_kernel_gives_a_query_the_same_bits_alone_in_a_batch_or_in_a_chunk(dtype, native):
+AMX_ATTENTION = "paged_attention_amx_bf16"
+# the kernel's variants for each cache dtype: the portable twin, the native one (AVX512-BF16 for
+# bfloat16, what a CPU without AMX runs), the AMX tiles (bfloat16 only; skipped by name where the
+# CPU has none)
+KERNEL_VARIANTS = [
+    pytest.param(dtype, variant, id=f"{str(dtype).removeprefix('torch.')}-{variant}")
+    for dtype in (torch.float32, torch.bfloat16)
+    for variant in ("portable", "native")
+] + [
+    pytest.param(
+        torch.bfloat16,
+        "amx",
+        id="bfloat16-amx",
+        marks=pytest.mark.skipif(
+            AMX_ATTENTION not in kernels.native_kernels(), reason=f"{AMX_ATTENTION}: no AMX tiles on this CPU or OS"
+        ),
+    )
+]
+
+
+@pytest.mark.parametrize("window", [0, 300], ids=["causal", "window"])
+@pytest.mark.parametrize(("dtype", "variant"), KERNEL_VARIANTS)
+def test_the_kernel_gives_a_query_the_same_bits_alone_in_a_batch_or_in_a_chunk(dtype, variant, window):
     """A sequence of 1100 keys (three partitions) beside a short one: a query position's output as
     a decode of that position (the short sequence decoding beside it), and inside prefill chunks of
     several sizes that put it at different places in the kernel's tiles (as a batch's budget cuts a
     prompt anywhere)."""
     torch.manual_seed(0)
-    heads, kv_heads, dim, bs = 6, 2, 32, 16
+    heads, kv_heads, dim, bs = 6, 2, 64, 16
     tables = [list(range(69)), list(range(69, 72))]
     k_cache = torch.randn(72 * bs, kv_heads, dim).to(dtype)
     v_cache = torch.randn(72 * bs, kv_heads, dim).to(dtype)
     q_long, q_short = torch.randn(1100, heads, dim).to(dtype), torch.randn(1, heads, dim).to(dtype)
-    before = torch.ops.atom.set_native_kernels(native)
+    native = kernels.use_native_kernels(variant != "portable")
+    amx = kernels.use_amx_kernels(variant == "amx")
     try:
         positions = [0, 15, 511, 512, 700, 1099]
         alone = {}
         for p in positions:  # decodes lead a step
-            out = attention(torch.cat((q_long[p : p + 1], q_short)), k_cache, v_cache, [p + 1, 37], [1, 1], tables, bs)
-            alone[p] = out[0]
+            step = torch.cat((q_long[p : p + 1], q_short))
+            alone[p] = attention(step, k_cache, v_cache, [p + 1, 37], [1, 1], tables, bs, window)[0]
         for chunk in (1100, 300, 64, 37, 7):  # odd sizes: boundaries off the blocks' and tiles' edges
             for begin in range(0, 1100, chunk):
                 end = min(1100, begin + chunk)
                 q = torch.cat((q_short, q_long[begin:end]))
-                out = attention(q, k_cache, v_cache, [37, end], [1, end - begin], tables[::-1], bs)[1:]
+                out = attention(q, k_cache, v_cache, [37, end], [1, end - begin], tables[::-1], bs, window)[1:]
                 for p in positions:
                     if begin <= p < end:
                         assert torch.equal(out[p - begin], alone[p]), f"position {p} in the chunk [{begin}, {end})"
     finally:
-        torch.ops.atom.set_native_kernels(before)
+        kernels.use_native_kernels(native)
+        kernels.use_amx_kernels(amx)
 
 
 # the engine, end to end
@@ -143,14 +172,43 @@ def same(a, b) -> bool:
     ]
 
 
-@pytest.mark.parametrize("combination", CPU_COMBINATIONS)
-def test_a_sequences_logits_do_not_depend_on_batch_chunks_cache_or_async(tiny_gguf, combination):
+@pytest.fixture(scope="module")
+def wide_gguf(tmp_path_factory):
+    """The same kind of model with heads 64 wide, which the AMX attention takes (as SmolLM2's)."""
+    return tiny_wide_ggufs(tmp_path_factory.mktemp("invariance"), [Q.Q4_1])[Q.Q4_1]
+
+
+AMX = "paged_attention_amx_bf16", "linear_amx_bf16"
+needs_amx = pytest.mark.skipif(
+    not set(AMX) <= set(kernels.native_kernels()), reason=f"{' and '.join(AMX)}: no AMX tiles on this CPU or OS"
+)
+# every layout a CPU's auto picks, on the head_dim-16 model; the bfloat16 ones again with heads 64
+# wide, where a CPU with AMX runs the attention and the linears on its tiles, and there at the
+# default (auto), which turns invariance on where every linear has its AMX copy
+END_TO_END = (
+    [pytest.param(c, "tiny_gguf", True, id=c) for c in CPU_COMBINATIONS]
+    + [pytest.param(c, "wide_gguf", True, id=f"{c}-head_dim_64") for c in CPU_COMBINATIONS if c.startswith("bfloat16")]
+    + [
+        pytest.param(c, "wide_gguf", None, id=f"{c}-head_dim_64-auto", marks=needs_amx)
+        for c in ("bfloat16+both", "bfloat16+dequantize")
+    ]
+)
+
+
+@pytest.mark.parametrize(("combination", "model", "setting"), END_TO_END)
+def test_a_sequences_logits_do_not_depend_on_batch_chunks_cache_or_async(request, combination, model, setting):
     dtype, gguf_weights = CPU_COMBINATIONS[combination]
+    path = request.getfixturevalue(model)
 
     def llm(**engine):
-        return LLM(str(tiny_gguf), dtype=dtype, gguf_weights=gguf_weights, batch_invariant=True, **engine)
+        return LLM(str(path), dtype=dtype, gguf_weights=gguf_weights, batch_invariant=setting, **engine)
 
     whole = llm(max_num_batched_tokens=2048)
+    backend = whole.engine.worker.model.attention_backend
+    assert backend.batch_invariant and backend.free_invariance == (setting is None)
+    if model == "wide_gguf" and kernels.has_amx_linears():  # the tiles run it here
+        assert kernels.amx_attention_active()
+        assert all(m.amx_weight is not None for m in whole.engine.worker.model.modules() if hasattr(m, "amx_weight"))
     alone = outputs(whole, [TARGET])[0]
     for n in (1, 3, 15):
         assert same(outputs(whole, [TARGET, *OTHERS[:n]])[0], alone), f"batched with {n} others"
@@ -159,6 +217,44 @@ def test_a_sequences_logits_do_not_depend_on_batch_chunks_cache_or_async(tiny_gg
         chunked = llm(max_num_batched_tokens=budget, async_scheduling=async_scheduling)
         assert same(outputs(chunked, [TARGET])[0], alone), f"chunks of {budget}, async {async_scheduling}"
         assert same(outputs(chunked, [*OTHERS[:4], TARGET])[-1], alone), f"chunks of {budget} behind others"
+
+
+@pytest.mark.parametrize(
+    ("combination", "model", "engine", "on"),
+    [
+        pytest.param("bfloat16+both", "wide_gguf", {}, True, marks=needs_amx, id="amx"),
+        pytest.param("bfloat16+both", "wide_gguf", {"cpu_amx": False}, False, marks=needs_amx, id="cpu_amx-off"),
+        pytest.param(
+            "bfloat16+both", "wide_gguf", {"cpu_native_kernels": False}, False, marks=needs_amx, id="native-off"
+        ),
+        pytest.param("bfloat16+packed", "wide_gguf", {}, False, id="linears-without-a-dense-copy"),
+        pytest.param("bfloat16+both", "tiny_gguf", {}, False, id="heads-16-wide"),
+        pytest.param("float32+both", "wide_gguf", {}, False, id="float32"),
+    ],
+)
+def test_auto_turns_batch_invariance_on_only_where_it_costs_nothing(request, caplog, combination, model, engine, on):
+    """At the default, invariance is on where every linear runs on the AMX GEMM and the attention
+    on the tiles (bfloat16 on a CPU with AMX), and off wherever the GEMMs or the attention would pay
+    for it: turned off by a setting, linears without a dense copy (the GEMV over blocks), heads the
+    tiles do not take, float32, a CPU without AMX."""
+    dtype, gguf_weights = CPU_COMBINATIONS[combination]
+    path = request.getfixturevalue(model)
+    try:
+        llm = LLM(str(path), dtype=dtype, gguf_weights=gguf_weights, num_kv_blocks=64, **engine)
+        backend = llm.engine.worker.model.attention_backend
+        assert backend.batch_invariant == backend.free_invariance == on
+        assert backend.paged_prefill == (on or backend.name == "cpu_paged")
+        assert llm.generate([TARGET[:40]], SamplingParams(max_tokens=2))[0].outputs[0].finish_reason == "length"
+    finally:
+        kernels.use_native_kernels(True)
+        kernels.use_amx_kernels(True)
+    said = [r.getMessage() for r in caplog.records if "model.batch_invariant" in r.getMessage()]
+    if on:
+        assert said and "'enabled': True" in said[-1]
+    elif engine:  # on at load, off once the engine applies the setting
+        assert said and "'enabled': False" in said[-1]
+    else:
+        assert not said
 
 
 def test_batch_invariance_on_another_backend_is_a_one_line_error(tiny_gguf):

@@ -21,7 +21,7 @@ from atom_anyio.models.attention import (
     TorchPagedAttention,
     select_backend,
 )
-from atom_anyio.models.ops import CpuOps, TorchOps
+from atom_anyio.models.ops import CpuOps, TorchOps, amx_linear, pack_amx_weight, unpack_amx_weight
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -233,7 +233,7 @@ def test_select_backend_names_and_refusals(monkeypatch):
     ("flags", "dtype", "kernel_prefill", "amx_prefill"),
     [
         ("avx2 avx512f avx512_bf16", torch.bfloat16, True, False),  # AMD Zen 4/5: the kernel's bfloat16 dot products
-        # AMX: the kernel on the tiles (SDPA when cpu_amx_attention=false)
+        # AMX: the kernel on the tiles (SDPA when cpu_amx=false)
         ("avx2 avx512f avx512_bf16 amx_bf16 amx_tile", torch.bfloat16, False, True),
         ("avx2 avx512f avx512_bf16 amx_bf16 amx_tile", torch.float32, False, False),
         ("avx2 avx512f avx512_bf16", torch.float32, False, False),
@@ -262,7 +262,7 @@ def test_auto_picks_the_prefill_path_by_the_cpu_and_dtype(monkeypatch, flags, dt
 )
 def test_amx_prefill_follows_the_tiles_setting():
     """auto's AMX backend runs prefill chunks in the kernel while the tiles serve it, and through
-    SDPA when cpu_amx_attention=false turns them off (the AVX512-BF16 variant's prefill is slower),
+    SDPA when cpu_amx=false turns them off (the AVX512-BF16 variant's prefill is slower),
     or when the step starts a long prompt (SDPA's causal blocks are faster there)."""
     backend = CpuPagedAttention(amx_prefill=True)
 
@@ -404,7 +404,7 @@ def test_native_elementwise_ops_equal_their_portable_twins_bit_for_bit(dtype, wi
 NATIVE_ATTENTION = "paged_attention_avx512_bf16"
 AMX_ATTENTION = "paged_attention_amx_bf16"
 # the bfloat16 variants a decode can take: AVX512-BF16 (AMD Zen 4/5, and AMX CPUs with
-# cpu_amx_attention=false) and the AMX tiles (decodes on a Xeon with AMX), each skipped by name
+# cpu_amx=false) and the AMX tiles (decodes on a Xeon with AMX), each skipped by name
 # where the CPU cannot run it
 BF16_VARIANTS = [
     pytest.param(
@@ -514,6 +514,45 @@ def test_the_amx_decode_leaves_the_tiles_as_torch_set_them():
     after = torch_work()
     assert all(torch.equal(x, y) for x, y in zip(before, after, strict=True))
     assert torch.equal(decoded, CpuPagedAttention().forward(*step))
+
+
+AMX_LINEAR = "linear_amx_bf16"
+needs_amx_linears = pytest.mark.skipif(
+    AMX_LINEAR not in kernels.native_kernels(), reason=f"{AMX_LINEAR}: no AMX tiles on this CPU or OS"
+)
+
+
+@needs_amx_linears
+@pytest.mark.parametrize("n,k,bias", [(80, 96, True), (576, 576, False), (49, 64, True), (40, 1536, False)])
+def test_amx_linears_equal_the_product_and_give_a_row_the_same_bits_in_any_batch(n, k, bias):
+    """The AMX GEMM (gemm.cpp) within a bfloat16 rounding of the exact product, for any row
+    count (one to four column blocks a unit, 2 x 2 blocks past 16 rows, row chunks of 256, a last
+    block of rows and of columns cut short); a row's output the same bits whatever rows share its
+    call, and the packed tiles unpack to the weight."""
+    torch.manual_seed(0)
+    w = torch.randn(n, k).bfloat16()
+    b = torch.randn(n).bfloat16() if bias else None
+    packed = pack_amx_weight(w)
+    assert packed.shape == ((n + 15) // 16, k // 32, 16, 32) and torch.equal(unpack_amx_weight(packed, n), w)
+    x = torch.randn(600, k).bfloat16()
+    every = amx_linear(x, packed, n, b)
+    exact = x.double() @ w.double().t() + (b.double() if bias else 0)
+    torch.testing.assert_close(every.double(), exact, rtol=2**-7, atol=1e-2)
+    for begin, end in [(0, 1), (5, 6), (3, 7), (0, 16), (13, 30), (16, 48), (250, 300), (0, 257), (7, 600)]:
+        part = amx_linear(x[begin:end], packed, n, b)
+        assert torch.equal(part, every[begin:end]), f"rows {begin}:{end} differ from the same rows in 600"
+    assert amx_linear(x[:0], packed, n, b).shape == (0, n)
+
+
+@needs_amx_linears
+def test_the_amx_linears_leave_the_tiles_as_onednn_set_them():
+    """oneDNN's bfloat16 GEMM (which runs on the tiles too) answers the same after an AMX linear."""
+    torch.manual_seed(0)
+    a, b = torch.randn(64, 512).bfloat16(), torch.randn(512, 256).bfloat16()
+    before = a @ b
+    packed = pack_amx_weight(torch.randn(96, 64).bfloat16())
+    amx_linear(torch.randn(20, 64).bfloat16(), packed, 96, None)
+    assert torch.equal(a @ b, before)
 
 
 def os_threads() -> set[str]:

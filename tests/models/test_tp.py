@@ -92,15 +92,15 @@ def test_greedy_output_at_two_ranks_equals_one_and_transformers_with_a_replicate
 
 
 def test_every_rank_runs_the_kernel_variants_the_engine_was_given(replicated_kv_dir):
-    """cpu_native_kernels and cpu_amx_attention reach rank 0's worker and every rank's process."""
-    off = {"native_kernels": False, "amx_attention": False}
+    """cpu_native_kernels and cpu_amx reach rank 0's worker and every rank's process."""
+    off = {"native_kernels": False, "amx": False}
     try:
         with offline(
             str(replicated_kv_dir),
             kv_cache_gib=0.02,
             tensor_parallel_size=2,
             cpu_native_kernels=False,
-            cpu_amx_attention=False,
+            cpu_amx=False,
         ) as two:
             assert kernels.kernel_settings() == off
             assert two.engine.worker.rank_kernels == [off]

@@ -82,7 +82,7 @@ class Engine:
                 cfg.cpu_threads,
                 decode_graphs=graphs,
                 native_kernels=cfg.cpu_native_kernels,
-                amx_attention=cfg.cpu_amx_attention,
+                amx=cfg.cpu_amx,
             )
         self.outputs = OutputProcessor(
             self.scheduler,

@@ -32,9 +32,10 @@ class EngineConfig:
         True,
         "the CPU kernels' native variants where the CPU has them (AVX512-BF16 attention); false: the portable twins",
     )
-    cpu_amx_attention: bool = setting(
+    cpu_amx: bool = setting(
         True,
-        "decodes' attention on the AMX tiles where the CPU has them (bfloat16 KV); false: the AVX512-BF16 variant",
+        "attention and bfloat16 linears on the AMX tiles where the CPU has them; false: what an AVX512-BF16 CPU "
+        "without AMX runs (the AVX512-BF16 attention, oneDNN's GEMMs)",
     )
     tensor_parallel_size: int = setting(
         1, "ranks the model is split across, one process each (gloo on CPU, NCCL on GPUs; docs/engine.md)"

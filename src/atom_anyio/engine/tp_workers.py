@@ -58,7 +58,7 @@ class RankSpec:
     num_threads: int
     store_port: int  # rank 0's rendezvous store
     native_kernels: bool = True  # the engine's cpu_native_kernels
-    amx_attention: bool = True  # and cpu_amx_attention, which each rank's process applies too
+    amx: bool = True  # and cpu_amx, which each rank's process applies too
 
 
 class TensorParallelWorker(Worker):
@@ -79,7 +79,7 @@ class TensorParallelWorker(Worker):
             cfg.block_size,
             cfg.threads_per_rank,
             native_kernels=cfg.cpu_native_kernels,
-            amx_attention=cfg.cpu_amx_attention,
+            amx=cfg.cpu_amx,
         )
         # port 0: any free one; the ranks join the group only once they have loaded their shards
         self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
@@ -93,7 +93,7 @@ class TensorParallelWorker(Worker):
                 cfg.threads_per_rank,
                 self._store.port,
                 cfg.cpu_native_kernels,
-                cfg.cpu_amx_attention,
+                cfg.cpu_amx,
             )
             for r in range(1, size)
         ]
@@ -232,7 +232,7 @@ def main(fd: int, parent: int) -> int:
             spec.block_size,
             spec.num_threads,
             native_kernels=spec.native_kernels,
-            amx_attention=spec.amx_attention,
+            amx=spec.amx,
         )
         settings = kernels.kernel_settings() if device.type == "cpu" and kernels.load_cpu_kernels() is None else None
     except Exception as exc:

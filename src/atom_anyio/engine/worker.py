@@ -13,6 +13,7 @@ import queue
 import time
 
 import anyio
+import structlog
 import torch
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
@@ -28,7 +29,9 @@ from atom_anyio.engine.stream import Logprob
 from atom_anyio.engine.wind_down import wind_down
 from atom_anyio.models.attention import AttentionMetadata, stage
 from atom_anyio.models.decoder import LlamaForCausalLM
-from atom_anyio.models.ops import CpuOps
+from atom_anyio.models.ops import CpuOps, use_amx_linears
+
+log = structlog.get_logger("atom_anyio.engine")
 
 
 class WorkerFailed(RuntimeError):
@@ -79,14 +82,20 @@ class Worker:
         num_threads: int = 1,
         decode_graphs: tuple[int, int] | None = None,  # (max_model_len, max_num_seqs): see cuda_graphs.py
         native_kernels: bool = True,  # the CPU kernels' native variants (process-wide: kernels.use_native_kernels)
-        amx_attention: bool = True,  # decodes' attention on the AMX tiles where built (kernels.use_amx_kernels)
+        amx: bool = True,  # attention and bfloat16 linears on the AMX tiles where built (cpu_amx)
     ):
         self.model = model
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        if self.device.type == "cpu" and model.attention_backend.ops is CpuOps:
+        if self.device.type == "cpu" and issubclass(model.attention_backend.ops, CpuOps):
             kernels.use_native_kernels(native_kernels)
-            kernels.use_amx_kernels(amx_attention)
+            kernels.use_amx_kernels(amx)
+            use_amx_linears(model, amx and native_kernels)
+            backend = model.attention_backend
+            if getattr(backend, "free_invariance", False) and not (amx and native_kernels):
+                backend.use_free_invariance(False)  # it would cost there: auto leaves it off
+                why = "cpu_amx or cpu_native_kernels off"
+                log.info("model.batch_invariant", enabled=False, requested="auto", why=why)
         cfg = model.config
         num_slots = (num_blocks + (decode_graphs is not None)) * block_size  # a spare block for padding rows
         self.kv_pool = torch.zeros(

@@ -22,8 +22,8 @@ import torch
 log = structlog.get_logger("atom_anyio.engine")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "paged_attention.cpp", CSRC / "ops.cpp", CSRC / "quant.cpp", CSRC / "decoder.cpp"]
-HEADERS = [CSRC / "vec.h", CSRC / "kernels.h"]
+SOURCES = [CSRC / name for name in ("paged_attention.cpp", "ops.cpp", "quant.cpp", "decoder.cpp", "gemm.cpp")]
+HEADERS = [CSRC / "vec.h", CSRC / "kernels.h", CSRC / "amx.h"]
 # no FMA contraction of separate products: the elementwise kernels round as torch's ops do
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 
@@ -83,7 +83,13 @@ def use_amx_kernels(enabled: bool) -> bool:
 def kernel_settings() -> dict[str, bool]:
     """What this process's kernels run now: the native variants, the AMX attention (each as last set)."""
     native, amx = torch.ops.atom.kernel_settings()
-    return {"native_kernels": native, "amx_attention": amx}
+    return {"native_kernels": native, "amx": amx}
+
+
+@functools.cache
+def has_amx_linears() -> bool:
+    """The build has the AMX linears (``linear_amx_bf16``, gemm.cpp) and the OS lends the tiles."""
+    return "linear_amx_bf16" in native_kernels()
 
 
 @functools.cache

@@ -11,6 +11,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
+from atom_anyio import kernels
 from atom_anyio.models import quant
 from atom_anyio.models.quant import QuantizedWeight
 
@@ -71,6 +72,9 @@ class CpuOps:
     @staticmethod
     def linear(x: torch.Tensor, layer: torch.nn.Linear | quant.QuantLinear) -> torch.Tensor:
         w = layer.weight
+        amx = getattr(layer, "amx_weight", None)
+        if amx is not None:  # any row count: at one row as fast as the GEMV over Q4_1 blocks (29 against 30 ms a token)
+            return amx_linear(x, amx, w.shape[0], layer.bias)
         packed = getattr(layer, "packed_weight", None)
         if packed is not None and (x.shape[0] > CpuOps.MAX_GEMV_ROWS or not isinstance(w, QuantizedWeight)):
             return torch.ops.mkldnn._linear_pointwise(x, packed, layer.bias, "none", [], "")
@@ -90,7 +94,7 @@ class CpuOps:
         so each slice streams once while it is in cache): measured 1.2-1.6x faster
         than one GEMM for 16-64 rows, same bits."""
         w = layer.weight
-        packed = getattr(layer, "packed_weight", None) is not None
+        packed = getattr(layer, "packed_weight", None) is not None or getattr(layer, "amx_weight", None) is not None
         if x.shape[0] <= CpuOps.MAX_GEMV_ROWS or layer.bias is not None or isinstance(w, QuantizedWeight) or packed:
             return CpuOps.linear(x, layer)
         out = x.new_empty(w.shape[0], x.shape[0])
@@ -146,6 +150,9 @@ class InvariantCpuOps(CpuOps):
         w = layer.weight
         if x.shape[0] == 0:
             return x.new_empty(0, w.shape[0])
+        amx = getattr(layer, "amx_weight", None)
+        if amx is not None:  # one chain of tile products per element whatever the row count
+            return amx_linear(x, amx, w.shape[0], layer.bias)
         if getattr(layer, "packed_weight", None) is None:
             if isinstance(w, QuantizedWeight) and w.dense is None:
                 return _gemv_rows(x, w.shape[0], torch.ops.atom.qgemv, w.data, w.qtype.value, layer.bias)
@@ -199,26 +206,80 @@ def _tile_linear(x: torch.Tensor, layer: torch.nn.Linear | quant.QuantLinear) ->
 Ops = type[TorchOps] | type[CpuOps]
 
 
+def amx_linear(x: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x W^T (+ bias)`` on the AMX tiles (kernels/csrc/gemm.cpp) over ``pack_amx_weight(W)``."""
+    out = x.new_empty(x.shape[0], n)
+    torch.ops.atom.amx_linear(out, x.contiguous(), weight, bias)
+    return out
+
+
+def pack_amx_weight(w: torch.Tensor) -> torch.Tensor:
+    """``w [N, K]`` (bfloat16, K a multiple of 32) as the AMX GEMM's B tiles, ``[ceil(N/16), K/32,
+    16, 32]``: tile (nb, kb), row r holds the dim pairs k = kb*32 + 2r, 2r+1 of columns nb*16 ..
+    nb*16+15 (the last block's missing columns zero)."""
+    n, k = w.shape
+    w = torch.cat((w, w.new_zeros(-n % 16, k))) if n % 16 else w
+    return w.reshape(-1, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).reshape(-1, k // 32, 16, 32).contiguous()
+
+
+def unpack_amx_weight(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """``pack_amx_weight``'s input back, ``[N, K]``."""
+    nb, kb = packed.shape[:2]
+    return packed.reshape(nb, kb, 16, 16, 2).permute(0, 3, 1, 2, 4).reshape(nb * 16, kb * 32)[:n].contiguous()
+
+
 def can_pack_bf16() -> bool:
     """Whether oneDNN runs bfloat16 GEMMs natively here (AVX512-BF16 or AMX)."""
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def pack_bf16_linears(model: torch.nn.Module) -> int:
-    """Keep oneDNN's blocked layout of each bfloat16 linear weight (of a quantized layer, its dense
-    copy) beside it as ``packed_weight``, which ``CpuOps.linear`` runs: a bfloat16 GEMM on a plain
-    weight reorders the weight on every call, several times the GEMM itself at decode batch sizes
-    (docs/performance.md). Same bits as ``F.linear``. A quantized layer's dense copy is then
-    dropped (the packed one serves its GEMMs) unless an embedding looks its rows up too.
-    Returns the bytes the packed copies take."""
+def pack_bf16_linears(model: torch.nn.Module, amx: bool | None = None) -> int:
+    """Keep each bfloat16 linear weight (of a quantized layer, its dense copy) beside it in the
+    layout its GEMM reads, which ``CpuOps.linear`` runs: with ``amx`` (by default where the kernels
+    have the AMX linears) the AMX GEMM's tiles (``amx_weight``, gemm.cpp: faster than oneDNN up to
+    a few hundred rows, and batch-invariant), else oneDNN's blocked layout (``packed_weight``: a
+    bfloat16 GEMM on a plain weight reorders the weight on every call, several times the GEMM
+    itself at decode batch sizes; docs/performance.md; same bits as ``F.linear``). A weight whose
+    K is not a multiple of 32 takes oneDNN's. A quantized layer's dense copy is then dropped (the
+    packed one serves its GEMMs) unless an embedding looks its rows up too. Packing again in the
+    other layout converts the layers (``Worker`` does, for ``cpu_amx``). Returns the bytes the
+    packed copies take."""
+    if amx is None:
+        amx = kernels.load_cpu_kernels() is None and kernels.has_amx_linears()
     looked_up = {id(m.weight) for m in model.modules() if isinstance(m, quant.QuantEmbedding)}
     num_bytes = 0
     for m in model.modules():
         w = m.weight if isinstance(m, torch.nn.Linear | quant.QuantLinear) else None
+        if w is None:
+            continue
         dense = w.dense if isinstance(w, QuantizedWeight) else w
-        if dense is not None and dense.dtype == torch.bfloat16 and dense.device.type == "cpu":
+        if dense is None and getattr(m, "amx_weight", None) is not None:
+            dense = unpack_amx_weight(m.amx_weight, w.shape[0])
+        elif dense is None and getattr(m, "packed_weight", None) is not None:
+            dense = _unpack_onednn(m.packed_weight, w.shape)
+        if dense is None or dense.dtype != torch.bfloat16 or dense.device.type != "cpu":
+            continue
+        m.amx_weight = m.packed_weight = None
+        if amx and dense.shape[1] % 32 == 0:
+            m.amx_weight = pack_amx_weight(dense.detach())
+        else:
             m.packed_weight = torch.ops.mkldnn._reorder_linear_weight(dense.detach(), None)
-            num_bytes += dense.nbytes
-            if isinstance(w, QuantizedWeight) and id(w) not in looked_up:
-                m.weight = replace(w, dense=None)
+        num_bytes += dense.nbytes
+        if isinstance(w, QuantizedWeight) and w.dense is not None and id(w) not in looked_up:
+            m.weight = replace(w, dense=None)
     return num_bytes
+
+
+def use_amx_linears(model: torch.nn.Module, enabled: bool) -> None:
+    """Run the model's packed bfloat16 linears on the AMX GEMM (where the kernels have it) or on
+    oneDNN's, converting the layers packed the other way."""
+    enabled = enabled and kernels.load_cpu_kernels() is None and kernels.has_amx_linears()
+    layouts = {getattr(m, "amx_weight", None) is not None for m in model.modules() if hasattr(m, "packed_weight")}
+    if layouts - {enabled}:
+        pack_bf16_linears(model, enabled)
+
+
+def _unpack_onednn(packed: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """The plain ``[N, K]`` weight of oneDNN's packed copy: its GEMM on the identity."""
+    eye = torch.eye(shape[1], dtype=torch.bfloat16)
+    return torch.ops.mkldnn._linear_pointwise(eye, packed, None, "none", [], "").t().contiguous()

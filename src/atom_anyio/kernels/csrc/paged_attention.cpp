@@ -20,15 +20,13 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <cstring>
 #include <memory>
 #include <string>
 #include <tuple>
 #include <vector>
 
+#include "amx.h"
 #include "kernels.h"
 #include "vec.h"
 
@@ -169,10 +167,6 @@ inline void rows_dispatch(int rows, const float* q, int D, const float* kt, cons
     }
   }
 }
-
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-#define ATOM_AVX512_BF16 1
-#endif
 
 #ifdef ATOM_AVX512_BF16
 // The AVX512-BF16 variant for bfloat16 caches: scores as bfloat16 pair dot products
@@ -397,8 +391,7 @@ inline void bf16_rows_dispatch(int rows, const uint32_t* q, int P, const uint32_
 }
 #endif
 
-#if defined(ATOM_AVX512_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define ATOM_AMX_BF16 1
+#ifdef ATOM_AMX_BF16
 // The AMX variant for a bfloat16 cache (decodes and prefill units): both products on the tile
 // unit, which does a 16 x 16 x 32 block in the time AVX-512 does a few hundred pair dot products
 // (on a 2-core Xeon with AMX: 1.6 TMAC/s against 30 GMAC/s for vdpbf16ps), no key or value staged:
@@ -411,17 +404,6 @@ inline void bf16_rows_dispatch(int rows, const uint32_t* q, int P, const uint32_
 //   (the other half zero: the even dims out) and as the odd halves (the odd dims out).
 // Probabilities are rounded to bfloat16 before P.V, as in the AVX-512 variant; their sum is not.
 
-// whether this process may use the tile registers (Linux hands them out on request, once)
-bool amx_permitted() {
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 constexpr int AMX_CHUNKS = 8;  // chunks of 16 keys per softmax step
 constexpr int AMX_ROWS = 64;   // a prefill unit's rows per kv head: four blocks of 16 share each key read
@@ -503,8 +485,7 @@ void amx_attend(AmxScratch& w, const c10::BFloat16* q, int nt, int pos0, const c
   const int HS = (KVH * cols + 15) / 16 * 16;  // lanes of a score row
   const AmxShapes& shapes = decode ? w.decode : w.prefill;
   const int64_t ld = slot_stride * int64_t(sizeof(c10::BFloat16));  // a key's row, in bytes
-  alignas(64) uint8_t saved[64];
-  _tile_storeconfig(saved);  // whoever used the tiles on this thread (oneDNN) finds its shapes back
+  TileScope tiles;  // whoever used the tiles on this thread (oneDNN, the linears) finds its shapes back
   std::fill(w.qt.begin(), w.qt.begin() + blocks * KVH * NDB * 16 * cols, 0u);
   for (int b = 0; b < blocks; ++b)
     for (int h = 0; h < KVH; ++h)
@@ -697,10 +678,6 @@ void amx_attend(AmxScratch& w, const c10::BFloat16* q, int nt, int pos0, const c
     }
     ahead.issue(INT64_MAX);  // what the step left
   }
-  if (saved[0] == 0)
-    _tile_release();
-  else
-    _tile_loadconfig(saved);
 }
 #endif
 
@@ -731,11 +708,13 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
 
   // A unit is a tile of one sequence's query tokens with all its heads, so a chunk of KV
   // (consecutive slots, every head) is read once, in one piece. About 36 rows per kv head.
-  // The AMX kernel takes every unit of a bfloat16 step where it fits (batch-invariant calls keep
-  // the one path every tile takes), its prefill units 64 rows a kv head.
+  // The AMX kernel takes every unit of a bfloat16 step where it fits, its prefill units 64 rows a
+  // kv head. It is batch-invariant when the keys are split at fixed multiples (`partition`): a
+  // row's products, its softmax steps of 128 keys and their lanes' sums are the same in a decode
+  // and in any prefill tile, the keys a row does not see adding exact zeros.
   bool use_amx = false;
 #ifdef ATOM_AMX_BF16
-  use_amx = std::is_same_v<T, c10::BFloat16> && g_native && g_amx && partition == 0 && amx_fits(H, KVH, D, BS);
+  use_amx = std::is_same_v<T, c10::BFloat16> && g_native && g_amx && amx_fits(H, KVH, D, BS);
 #endif
   const int tile = use_amx ? std::max(1, AMX_ROWS / G) : std::max(1, 36 / G);
   const int window = int(sliding_window);  // 0: the whole causal context
@@ -745,7 +724,9 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
     const int nq = qstart[b + 1] - qstart[b], first_pos = lens[b] - nq;
     for (int i = 0; i < nq; i += tile) {
       const int q_end = std::min(nq, i + tile), hi = first_pos + q_end;  // causal bound of the tile
-      const int lo = window > 0 ? std::max(0, first_pos + i - window + 1) / BS * BS : 0;  // chunks before: skipped
+      int lo = window > 0 ? std::max(0, first_pos + i - window + 1) / BS * BS : 0;  // chunks before: skipped
+      // batch-invariant on the tiles: the softmax steps start at the same keys for every row
+      if (use_amx && partition > 0) lo = lo / int(partition) * int(partition);
       units.push_back({b, i, q_end, lo, hi});
       max_span = std::max(max_span, hi - lo);
     }
@@ -1029,7 +1010,10 @@ std::vector<std::string> native_kernels() {
   names.push_back("paged_attention_avx512_bf16");
 #endif
 #ifdef ATOM_AMX_BF16
-  if (amx_permitted()) names.push_back("paged_attention_amx_bf16");
+  if (amx_permitted()) {
+    names.push_back("paged_attention_amx_bf16");
+    names.push_back("linear_amx_bf16");  // gemm.cpp
+  }
 #endif
 #ifdef ATOM_ELEMENTWISE_AVX512
   names.push_back("elementwise_avx512");  // ops.cpp

@@ -21,6 +21,13 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define ATOM_ELEMENTWISE_AVX512 1
 #endif
+// the bfloat16 variants: pair dot products (paged_attention.cpp), and the AMX tiles (attention, gemm.cpp)
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define ATOM_AVX512_BF16 1
+#endif
+#if defined(ATOM_AVX512_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define ATOM_AMX_BF16 1
+#endif
 
 namespace atom {
 

@@ -139,7 +139,7 @@ def prefill_path(backend: CpuPagedAttention) -> str:
 
 def amx_prefill_reason(dtype: torch.dtype | None) -> str | None:
     """Why ``auto`` runs bfloat16 prefill chunks through the kernel on a CPU with AMX (while
-    ``cpu_amx_attention`` keeps it on the tiles), or None. Measured on a 2-core Xeon with AMX
+    ``cpu_amx`` keeps it on the tiles), or None. Measured on a 2-core Xeon with AMX
     (docs/performance.md): a 512-token chunk over 57k cached tokens of the tiny model 83 ms a layer
     against SDPA's 101 (gathering the prefix, a mask), over 4k of SmolLM2's 8.6 against 9.2; fresh
     555-token prompts alike (1.08 against 1.13 ms); a fresh 2,048 is 1.4x SDPA's."""

@@ -28,10 +28,20 @@ class CpuPagedAttention:
     def __init__(self, paged_prefill: bool = False, batch_invariant: bool = False, amx_prefill: bool = False):
         self.paged_prefill = paged_prefill or batch_invariant
         self.batch_invariant = batch_invariant
+        self.free_invariance = False  # batch_invariant turned on by auto where it costs nothing
         # prefill chunks through the kernel while it runs on the AMX tiles (auto's choice for
-        # bfloat16 on such a CPU), through SDPA when cpu_amx_attention=false turns them off
+        # bfloat16 on such a CPU), through SDPA when cpu_amx=false turns them off
         self.amx_prefill = amx_prefill
         self.ops = InvariantCpuOps if batch_invariant else CpuOps
+        self.name = "cpu_paged" if self.paged_prefill else "cpu"
+        self._unpaged = not self.paged_prefill
+
+    def use_free_invariance(self, enabled: bool) -> None:
+        """Batch-invariant attention (every row through the kernel, keys split at fixed multiples)
+        for a model whose linears already are (every one on the AMX GEMM, which ``CpuOps`` runs at
+        any row count: ``loader.free_invariance_reason``), or back to this backend's own way."""
+        self.free_invariance = self.batch_invariant = enabled
+        self.paged_prefill = enabled or not self._unpaged
         self.name = "cpu_paged" if self.paged_prefill else "cpu"
 
     def runs_in_kernel(self, meta: AttentionMetadata) -> bool:
