@@ -173,9 +173,19 @@ def same(a, b) -> bool:
 
 
 @pytest.fixture(scope="module")
-def wide_gguf(tmp_path_factory):
+def wide_ggufs(tmp_path_factory):
     """The same kind of model with heads 64 wide, which the AMX attention takes (as SmolLM2's)."""
-    return tiny_wide_ggufs(tmp_path_factory.mktemp("invariance"), [Q.Q4_1])[Q.Q4_1]
+    return tiny_wide_ggufs(tmp_path_factory.mktemp("invariance"), [Q.Q4_1, Q.Q4_K])
+
+
+@pytest.fixture(scope="module")
+def wide_gguf(wide_ggufs):
+    return wide_ggufs[Q.Q4_1]
+
+
+@pytest.fixture(scope="module")
+def wide_q4_k(wide_ggufs):
+    return wide_ggufs[Q.Q4_K]
 
 
 AMX = "paged_attention_amx_bf16", "linear_amx_bf16"
@@ -190,7 +200,7 @@ END_TO_END = (
     + [pytest.param(c, "wide_gguf", True, id=f"{c}-head_dim_64") for c in CPU_COMBINATIONS if c.startswith("bfloat16")]
     + [
         pytest.param(c, "wide_gguf", None, id=f"{c}-head_dim_64-auto", marks=needs_amx)
-        for c in ("bfloat16+both", "bfloat16+dequantize")
+        for c in ("bfloat16+both", "bfloat16+packed", "bfloat16+dequantize")
     ]
 )
 
@@ -227,7 +237,10 @@ def test_a_sequences_logits_do_not_depend_on_batch_chunks_cache_or_async(request
         pytest.param(
             "bfloat16+both", "wide_gguf", {"cpu_native_kernels": False}, False, marks=needs_amx, id="native-off"
         ),
-        pytest.param("bfloat16+packed", "wide_gguf", {}, False, id="linears-without-a-dense-copy"),
+        # blocks without a dense copy: on the quantized tiles where the GEMM has them (Q4_1), else
+        # through the GEMV and dequantized slices (Q4_K)
+        pytest.param("bfloat16+packed", "wide_gguf", {}, True, marks=needs_amx, id="blocks-on-the-tiles"),
+        pytest.param("bfloat16+packed", "wide_q4_k", {}, False, id="blocks-without-tiles"),
         pytest.param("bfloat16+both", "tiny_gguf", {}, False, id="heads-16-wide"),
         pytest.param("float32+both", "wide_gguf", {}, False, id="float32"),
     ],

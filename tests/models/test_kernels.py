@@ -9,9 +9,11 @@ import subprocess
 import sys
 import time
 
+import gguf
 import pytest
 import torch
 import torch.nn.functional as F
+from test_quant import random_quantized
 
 from atom_anyio import LLM, SamplingParams, kernels
 from atom_anyio.config import Config
@@ -21,7 +23,16 @@ from atom_anyio.models.attention import (
     TorchPagedAttention,
     select_backend,
 )
-from atom_anyio.models.ops import CpuOps, TorchOps, amx_linear, pack_amx_weight, unpack_amx_weight
+from atom_anyio.models.ops import (
+    CpuOps,
+    TorchOps,
+    amx_linear,
+    amx_qlinear,
+    pack_amx_qweight,
+    pack_amx_weight,
+    unpack_amx_weight,
+)
+from atom_anyio.models.quant import QuantLinear
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -542,6 +553,25 @@ def test_amx_linears_equal_the_product_and_give_a_row_the_same_bits_in_any_batch
         part = amx_linear(x[begin:end], packed, n, b)
         assert torch.equal(part, every[begin:end]), f"rows {begin}:{end} differ from the same rows in 600"
     assert amx_linear(x[:0], packed, n, b).shape == (0, n)
+
+
+@needs_amx_linears
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("n,k,bias", [(80, 96, True), (49, 576, False)])
+def test_amx_linears_over_gguf_blocks_give_the_dense_copys_bits(qtype, n, k, bias):
+    """The AMX GEMM over a layer's GGUF blocks, dequantized into the tiles as it goes, gives the bits
+    of the same GEMM over the layer's dense bfloat16 copy, at any row count (the blocks' dequantizing
+    rounds as the dense copy's does)."""
+    torch.manual_seed(0)
+    blocks, _ = random_quantized(n, k, gguf.GGMLQuantizationType[qtype])
+    layer = QuantLinear(blocks.to(dtype=torch.bfloat16), has_bias=bias)
+    if bias:
+        layer.bias = torch.nn.Parameter(torch.randn(n).bfloat16())
+    layer.amx_qweight = pack_amx_qweight(layer.weight)
+    dense = pack_amx_weight(layer.weight.dequantize(torch.bfloat16))
+    for rows in (1, 4, 16, 17, 300):
+        x = torch.randn(rows, k).bfloat16()
+        assert torch.equal(amx_qlinear(x, layer), amx_linear(x, dense, n, layer.bias)), f"{rows} rows"
 
 
 @needs_amx_linears

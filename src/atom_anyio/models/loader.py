@@ -28,7 +28,7 @@ from atom_anyio.models.decoder import LlamaForCausalLM, ModelConfig, pack_weight
 from atom_anyio.models.generation_defaults import BUNDLED_MODEL_DEFAULTS, from_generation_config, from_gguf_metadata
 from atom_anyio.models.gguf_file import load_gguf_tokenizer, read_gguf
 from atom_anyio.models.moe import stack_experts
-from atom_anyio.models.ops import CpuOps, can_pack_bf16, pack_bf16_linears
+from atom_anyio.models.ops import CpuOps, can_pack_bf16, on_amx_tiles, pack_bf16_linears
 from atom_anyio.models.rope import rope_inv_freq
 from atom_anyio.models.tensor_parallel import TensorParallel
 
@@ -219,7 +219,7 @@ def free_invariance_reason(model: LlamaForCausalLM) -> str | None:
     if cfg.head_dim % 64 or cfg.num_attention_heads // cfg.num_key_value_heads > 16:
         return None  # the AMX attention's shapes (amx_fits in paged_attention.cpp)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear | quant.QuantLinear)]
-    if not linears or any(getattr(m, "amx_weight", None) is None for m in linears):
+    if not linears or not all(on_amx_tiles(m) for m in linears):
         return None
     return "bfloat16 on AMX: every linear on the AMX GEMM and the attention on the tiles, invariant at no cost"
 

@@ -72,6 +72,8 @@ class CpuOps:
     @staticmethod
     def linear(x: torch.Tensor, layer: torch.nn.Linear | quant.QuantLinear) -> torch.Tensor:
         w = layer.weight
+        if getattr(layer, "amx_qweight", None) is not None:  # any row count (docs/engine.md)
+            return amx_qlinear(x, layer)
         amx = getattr(layer, "amx_weight", None)
         if amx is not None:  # any row count: at one row as fast as the GEMV over Q4_1 blocks (29 against 30 ms a token)
             return amx_linear(x, amx, w.shape[0], layer.bias)
@@ -94,7 +96,7 @@ class CpuOps:
         so each slice streams once while it is in cache): measured 1.2-1.6x faster
         than one GEMM for 16-64 rows, same bits."""
         w = layer.weight
-        packed = getattr(layer, "packed_weight", None) is not None or getattr(layer, "amx_weight", None) is not None
+        packed = any(getattr(layer, name, None) is not None for name in ("packed_weight", "amx_weight", "amx_qweight"))
         if x.shape[0] <= CpuOps.MAX_GEMV_ROWS or layer.bias is not None or isinstance(w, QuantizedWeight) or packed:
             return CpuOps.linear(x, layer)
         out = x.new_empty(w.shape[0], x.shape[0])
@@ -150,8 +152,10 @@ class InvariantCpuOps(CpuOps):
         w = layer.weight
         if x.shape[0] == 0:
             return x.new_empty(0, w.shape[0])
+        if getattr(layer, "amx_qweight", None) is not None:  # one chain of tile products per element
+            return amx_qlinear(x, layer)
         amx = getattr(layer, "amx_weight", None)
-        if amx is not None:  # one chain of tile products per element whatever the row count
+        if amx is not None:  # the same, over the bfloat16 tiles
             return amx_linear(x, amx, w.shape[0], layer.bias)
         if getattr(layer, "packed_weight", None) is None:
             if isinstance(w, QuantizedWeight) and w.dense is None:
@@ -222,6 +226,42 @@ def pack_amx_weight(w: torch.Tensor) -> torch.Tensor:
     return w.reshape(-1, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).reshape(-1, k // 32, 16, 32).contiguous()
 
 
+AMX_QTYPES = (quant.Q.Q4_0, quant.Q.Q4_1, quant.Q.Q8_0)  # GGUF blocks the AMX GEMM dequantizes itself
+
+
+def amx_qlinear(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
+    """``x W^T (+ bias)`` on the AMX tiles over the layer's quantized tiles (``pack_amx_qweight``)."""
+    w = layer.weight
+    out = x.new_empty(x.shape[0], w.shape[0])
+    torch.ops.atom.amx_qlinear(out, x.contiguous(), layer.amx_qweight, w.qtype.value, layer.bias)
+    return out
+
+
+def pack_amx_qweight(w: QuantizedWeight) -> torch.Tensor:
+    """``w``'s GGUF blocks (Q4_0, Q4_1, Q8_0) as the AMX GEMM's quantized tiles, ``[ceil(N/16), K/32,
+    bytes]``: one block is one column of a tile; row r (dims 2r, 2r+1 of each of the 16 columns) as 16
+    bytes of nibbles (byte c: column c's two weights, the first in the low nibble) or 32 int8 for
+    Q8_0, then the columns' 16 d and (Q4_1) 16 m as float16 (gemm.cpp). The missing columns of a
+    last block are zero weights."""
+    n, k = w.shape
+    nb, kb = -(-n // 16), k // quant.BLOCK_SIZE
+    blocks = w.data.view(n, kb, quant.BLOCK_BYTES[w.qtype])
+    if n % 16:
+        blocks = torch.cat((blocks, blocks.new_zeros(nb * 16 - n, kb, blocks.shape[-1])))
+    blocks = blocks.view(nb, 16, kb, -1).transpose(1, 2)  # [NB, KB, column, block]
+    if w.qtype == quant.Q.Q8_0:
+        pairs = blocks[..., 2:].reshape(nb, kb, 16, 16, 2).transpose(2, 3)  # [.., row, column, 2]
+        scales = blocks[..., :2]
+    else:
+        nibbles = blocks[..., 4:] if w.qtype == quant.Q.Q4_1 else blocks[..., 2:]
+        q = torch.cat((nibbles & 0x0F, nibbles >> 4), dim=-1)  # the 32 weights in order
+        q = q.reshape(nb, kb, 16, 16, 2).transpose(2, 3)  # [.., row, column, 2]
+        pairs = q[..., 0] | (q[..., 1] << 4)
+        scales = blocks[..., :4] if w.qtype == quant.Q.Q4_1 else torch.cat((blocks[..., :2], blocks[..., :2] * 0), -1)
+    d_m = scales.reshape(nb, kb, 16, -1, 2).transpose(2, 3)  # [.., d then m, column, 2 bytes]
+    return torch.cat((pairs.reshape(nb, kb, -1), d_m.reshape(nb, kb, -1)), dim=-1).contiguous()
+
+
 def unpack_amx_weight(packed: torch.Tensor, n: int) -> torch.Tensor:
     """``pack_amx_weight``'s input back, ``[N, K]``."""
     nb, kb = packed.shape[:2]
@@ -234,30 +274,39 @@ def can_pack_bf16() -> bool:
 
 
 def pack_bf16_linears(model: torch.nn.Module, amx: bool | None = None) -> int:
-    """Keep each bfloat16 linear weight (of a quantized layer, its dense copy) beside it in the
-    layout its GEMM reads, which ``CpuOps.linear`` runs: with ``amx`` (by default where the kernels
-    have the AMX linears) the AMX GEMM's tiles (``amx_weight``, gemm.cpp: faster than oneDNN up to
-    a few hundred rows, and batch-invariant), else oneDNN's blocked layout (``packed_weight``: a
-    bfloat16 GEMM on a plain weight reorders the weight on every call, several times the GEMM
-    itself at decode batch sizes; docs/performance.md; same bits as ``F.linear``). A weight whose
-    K is not a multiple of 32 takes oneDNN's. A quantized layer's dense copy is then dropped (the
-    packed one serves its GEMMs) unless an embedding looks its rows up too. Packing again in the
-    other layout converts the layers (``Worker`` does, for ``cpu_amx``). Returns the bytes the
-    packed copies take."""
+    """Keep each bfloat16 linear weight beside it in the layout its GEMM reads, which
+    ``CpuOps.linear`` runs. With ``amx`` (by default where the kernels have the AMX linears): a
+    dense weight (of a quantized layer, its dense copy) as the AMX GEMM's bfloat16 tiles
+    (``amx_weight``), and GGUF blocks without a dense copy that the AMX GEMM dequantizes itself
+    (Q4_0, Q4_1, Q8_0) as its quantized tiles (``amx_qweight``, where the GEMV and float32 slices
+    served them before); both faster than oneDNN at decode sizes and batch-invariant (gemm.cpp).
+    With a dense copy the bfloat16 tiles serve: on a 2-core Xeon SmolLM2's weights stay in its
+    cache, and dequantizing costs more than the bytes it saves. Without ``amx``: oneDNN's blocked
+    layout (``packed_weight``: a bfloat16 GEMM on a plain weight reorders the weight on every call,
+    several times the GEMM itself at decode batch sizes; docs/performance.md; same bits as
+    ``F.linear``). A weight whose K is not a multiple of 32 takes oneDNN's. A quantized layer's
+    dense copy is then dropped (the packed one serves its GEMMs) unless an embedding looks its rows
+    up too. Packing again in the other layout converts the layers (``Worker`` does, for
+    ``cpu_amx``). Returns the bytes the packed copies take."""
     if amx is None:
         amx = kernels.load_cpu_kernels() is None and kernels.has_amx_linears()
     looked_up = {id(m.weight) for m in model.modules() if isinstance(m, quant.QuantEmbedding)}
     num_bytes = 0
     for m in model.modules():
         w = m.weight if isinstance(m, torch.nn.Linear | quant.QuantLinear) else None
-        if w is None:
+        if w is None or w.dtype != torch.bfloat16 or w.device.type != "cpu":
             continue
-        dense = w.dense if isinstance(w, QuantizedWeight) else w
+        quantized = isinstance(w, QuantizedWeight)
+        dense = w.dense if quantized else w
         if dense is None and getattr(m, "amx_weight", None) is not None:
             dense = unpack_amx_weight(m.amx_weight, w.shape[0])
         elif dense is None and getattr(m, "packed_weight", None) is not None:
             dense = _unpack_onednn(m.packed_weight, w.shape)
-        if dense is None or dense.dtype != torch.bfloat16 or dense.device.type != "cpu":
+        m.amx_qweight = None
+        if dense is None:  # blocks without a dense copy: the quantized tiles, else the GEMV and dequantized slices
+            if amx and quantized and w.qtype in AMX_QTYPES:
+                m.amx_qweight = pack_amx_qweight(w)
+                num_bytes += m.amx_qweight.nbytes
             continue
         m.amx_weight = m.packed_weight = None
         if amx and dense.shape[1] % 32 == 0:
@@ -265,18 +314,29 @@ def pack_bf16_linears(model: torch.nn.Module, amx: bool | None = None) -> int:
         else:
             m.packed_weight = torch.ops.mkldnn._reorder_linear_weight(dense.detach(), None)
         num_bytes += dense.nbytes
-        if isinstance(w, QuantizedWeight) and w.dense is not None and id(w) not in looked_up:
+        if quantized and w.dense is not None and id(w) not in looked_up:
             m.weight = replace(w, dense=None)
     return num_bytes
+
+
+def on_amx_tiles(layer: torch.nn.Module) -> bool:
+    """Whether the layer's GEMMs run on the AMX GEMM (its bfloat16 or quantized tiles)."""
+    return getattr(layer, "amx_weight", None) is not None or getattr(layer, "amx_qweight", None) is not None
 
 
 def use_amx_linears(model: torch.nn.Module, enabled: bool) -> None:
     """Run the model's packed bfloat16 linears on the AMX GEMM (where the kernels have it) or on
     oneDNN's, converting the layers packed the other way."""
     enabled = enabled and kernels.load_cpu_kernels() is None and kernels.has_amx_linears()
-    layouts = {getattr(m, "amx_weight", None) is not None for m in model.modules() if hasattr(m, "packed_weight")}
-    if layouts - {enabled}:
-        pack_bf16_linears(model, enabled)
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        packed = any(getattr(m, a, None) is not None for a in ("packed_weight", "amx_weight", "amx_qweight"))
+        tiles_for_blocks = (
+            isinstance(w, QuantizedWeight) and w.dense is None and w.qtype in AMX_QTYPES and w.dtype == torch.bfloat16
+        )
+        if (packed or tiles_for_blocks) and on_amx_tiles(m) != enabled:
+            pack_bf16_linears(model, enabled)
+            return
 
 
 def _unpack_onednn(packed: torch.Tensor, shape: torch.Size) -> torch.Tensor:

@@ -49,11 +49,66 @@ inline void store_tile(c10::BFloat16* out, int64_t ldo, const float* c, int64_t 
   }
 }
 
-void amx_linear_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& wp, const float* bias) {
-  const int64_t M = x.size(0), K = x.size(1), N = out.size(1), NB = wp.size(0), KB = wp.size(1);
+// Quantized weights (pack_amx_qweight in ops.py), dequantized into the B tiles a unit needs: one
+// GGUF block of 32 weights is one column of a tile, so a tile is 16 blocks, stored in the tile's own
+// order: row r (k = kb*32 + 2r, 2r+1) as 16 bytes of nibbles for Q4_0/Q4_1 (byte c: column c's two
+// weights, low nibble first) or 32 int8 for Q8_0, then the 16 columns' d and (Q4_1) m as float16.
+// A weight is the reference's (quant.py, dequantize_rows): d q + m (two roundings), d (q - 8),
+// d q, rounded to bfloat16 as the dense copy is, so a linear gives the dense copy's bits.
+enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  // ggml's type ids
+constexpr int64_t Q4_TILE_BYTES = 16 * 16 + 2 * 16 * 2, Q8_TILE_BYTES = 16 * 32 + 16 * 2;
+
+inline int64_t qtile_bytes(int64_t type) { return type == Q8_0 ? Q8_TILE_BYTES : Q4_TILE_BYTES; }
+
+// one packed tile of type `type` into 16 rows of 32 bfloat16 (1 KB)
+inline void dequantize_tile(int64_t type, const uint8_t* src, c10::BFloat16* dst) {
+  const int64_t scales = type == Q8_0 ? 16 * 32 : 16 * 16;
+  const __m512 d16 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + scales)));
+  // lanes in the row's order: columns 0-7 twice each, then 8-15
+  const __m512i lo_cols = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  const __m512i hi_cols = _mm512_add_epi32(lo_cols, _mm512_set1_epi32(8));
+  const __m512 d0 = _mm512_permutexvar_ps(lo_cols, d16), d1 = _mm512_permutexvar_ps(hi_cols, d16);
+  __m512 m0 = _mm512_setzero_ps(), m1 = m0;
+  if (type == Q4_1) {
+    const __m512 m16 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + scales + 32)));
+    m0 = _mm512_permutexvar_ps(lo_cols, m16), m1 = _mm512_permutexvar_ps(hi_cols, m16);
+  }
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  const __m512 eight = _mm512_set1_ps(8.f);
+  for (int r = 0; r < 16; ++r) {
+    __m512 q0, q1;
+    if (type == Q8_0) {
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + r * 32));
+      q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
+      q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
+    } else {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + r * 16));
+      const __m128i lo = _mm_and_si128(b, low4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
+      q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)));
+      q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi)));
+    }
+    __m512 w0, w1;
+    if (type == Q4_1) {
+      w0 = _mm512_add_ps(_mm512_mul_ps(d0, q0), m0), w1 = _mm512_add_ps(_mm512_mul_ps(d1, q1), m1);
+    } else if (type == Q4_0) {
+      w0 = _mm512_mul_ps(d0, _mm512_sub_ps(q0, eight)), w1 = _mm512_mul_ps(d1, _mm512_sub_ps(q1, eight));
+    } else {
+      w0 = _mm512_mul_ps(d0, q0), w1 = _mm512_mul_ps(d1, q1);
+    }
+    _mm512_storeu_si512(dst + r * 32, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(w1, w0)));
+  }
+}
+
+// Where a unit's B tiles come from: `source.panel(nb0, nbs)`, the tiles of column blocks nb0 .. nb0
+// + nbs - 1 for every kb, [nbs][KB][1 KB] (a unit of many rows reads each KB times);
+// `source.step(nb0, nbs, kb, slot)`, those of one kb (a unit of up to 16 rows reads each once:
+// a quantized weight is dequantized a step ahead of the products that read it, into one of two
+// slots that stay in L1), tile j at + j * `source.step_stride`.
+template <typename Source>
+void amx_gemm(at::Tensor& out, const at::Tensor& x, int64_t NB, int64_t KB, const float* bias, Source& source) {
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
   const int64_t MB = (M + 15) / 16, lda = K * int64_t(sizeof(c10::BFloat16));
   const auto* X = x.data_ptr<c10::BFloat16>();
-  const auto* W = reinterpret_cast<const char*>(wp.data_ptr());
   auto* O = out.data_ptr<c10::BFloat16>();
   // a unit: NG column blocks for one chunk of rows. Up to 16 rows, four column blocks share each
   // A tile (one A, two B tiles in turn, four accumulators); past that, 2 x 2 blocks
@@ -71,26 +126,29 @@ void amx_linear_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& wp,
       std::memcpy(tail.data(), X + (MB - 1) * 16 * K, (M % 16) * K * sizeof(c10::BFloat16));
     }
     auto a_block = [&](int64_t mb) { return mb == MB - 1 && M % 16 ? tail.data() : X + mb * 16 * K; };
-    auto b_tile = [&](int64_t nb, int64_t kb) { return W + (nb * KB + kb) * TILE_BYTES; };
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t chunk = u / groups, nb0 = u % groups * NG, nbs = std::min(NG, NB - nb0);
       if (M <= 16) {
         const c10::BFloat16* a = a_block(0);
+        const int64_t stride = source.step_stride;
         zero_accumulators();
+        const char* next = source.step(nb0, nbs, 0, 0);
         for (int64_t kb = 0; kb < KB; ++kb) {
+          const char* b = next;
           _tile_loadd(4, a + kb * 32, lda);
-          _tile_loadd(5, b_tile(nb0, kb), 64);
+          _tile_loadd(5, b, 64);
           _tile_dpbf16ps(0, 4, 5);
           if (nbs > 1) {
-            _tile_loadd(6, b_tile(nb0 + 1, kb), 64);
+            _tile_loadd(6, b + stride, 64);
             _tile_dpbf16ps(1, 4, 6);
           }
+          if (kb + 1 < KB) next = source.step(nb0, nbs, kb + 1, (kb + 1) % 2);  // while the products run
           if (nbs > 2) {
-            _tile_loadd(5, b_tile(nb0 + 2, kb), 64);
+            _tile_loadd(5, b + 2 * stride, 64);
             _tile_dpbf16ps(2, 4, 5);
           }
           if (nbs > 3) {
-            _tile_loadd(6, b_tile(nb0 + 3, kb), 64);
+            _tile_loadd(6, b + 3 * stride, 64);
             _tile_dpbf16ps(3, 4, 6);
           }
         }
@@ -104,6 +162,8 @@ void amx_linear_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& wp,
         }
         continue;
       }
+      const char* panel = source.panel(nb0, nbs);
+      auto b_tile = [&](int64_t j, int64_t kb) { return panel + (j * KB + kb) * TILE_BYTES; };
       const int64_t mb_end = std::min(MB, (chunk + 1) * chunk_blocks);
       const bool two_n = nbs > 1;
       for (int64_t mb = chunk * chunk_blocks; mb < mb_end; mb += 2) {
@@ -112,10 +172,10 @@ void amx_linear_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& wp,
         zero_accumulators();
         for (int64_t kb = 0; kb < KB; ++kb) {
           _tile_loadd(4, a0 + kb * 32, lda);
-          _tile_loadd(6, b_tile(nb0, kb), 64);
+          _tile_loadd(6, b_tile(0, kb), 64);
           _tile_dpbf16ps(0, 4, 6);
           if (two_n) {
-            _tile_loadd(7, b_tile(nb0 + 1, kb), 64);
+            _tile_loadd(7, b_tile(1, kb), 64);
             _tile_dpbf16ps(1, 4, 7);
           }
           if (two_m) {
@@ -138,28 +198,86 @@ void amx_linear_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& wp,
     }
   });
 }
+
+// the bfloat16 tiles as packed: nothing to do but point at them
+struct PackedTiles {
+  const char* w;
+  int64_t KB, step_stride;
+  const char* panel(int64_t nb0, int64_t) const { return w + nb0 * KB * TILE_BYTES; }
+  const char* step(int64_t nb0, int64_t, int64_t kb, int) const { return w + (nb0 * KB + kb) * TILE_BYTES; }
+};
+
+// quantized tiles, dequantized into this thread's buffers
+struct QuantTiles {
+  const uint8_t* w;
+  int64_t KB, type, bytes, step_stride = TILE_BYTES;
+  const uint8_t* tile(int64_t nb, int64_t kb) const { return w + (nb * KB + kb) * bytes; }
+  const char* panel(int64_t nb0, int64_t nbs) const {
+    thread_local std::vector<c10::BFloat16> buf;
+    buf.resize(nbs * KB * 512);
+    for (int64_t j = 0; j < nbs; ++j)
+      for (int64_t kb = 0; kb < KB; ++kb) dequantize_tile(type, tile(nb0 + j, kb), &buf[(j * KB + kb) * 512]);
+    return reinterpret_cast<const char*>(buf.data());
+  }
+  const char* step(int64_t nb0, int64_t nbs, int64_t kb, int slot) const {
+    thread_local std::vector<c10::BFloat16> slots(2 * 4 * 512);
+    c10::BFloat16* dst = &slots[slot * 4 * 512];
+    for (int64_t j = 0; j < nbs; ++j) dequantize_tile(type, tile(nb0 + j, kb), dst + j * 512);
+    return reinterpret_cast<const char*>(dst);
+  }
+};
+
+void amx_linear_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& wp, const float* bias) {
+  PackedTiles source{reinterpret_cast<const char*>(wp.data_ptr()), wp.size(1), wp.size(1) * TILE_BYTES};
+  amx_gemm(out, x, wp.size(0), wp.size(1), bias, source);
+}
+
+void amx_qlinear_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& wq, int64_t type, const float* bias) {
+  QuantTiles source{wq.data_ptr<uint8_t>(), wq.size(1), type, qtile_bytes(type)};
+  amx_gemm(out, x, wq.size(0), wq.size(1), bias, source);
+}
+#endif
+
+#ifdef ATOM_AMX_BF16
+// the checks every AMX linear makes; the bias as float32 (undefined without one)
+at::Tensor check_linear(const char* name, const at::Tensor& out, const at::Tensor& x, int64_t NB, int64_t KB,
+                        const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(amx_permitted(), name, ": this process may not use the AMX tiles");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, name, ": x must be [M, K] bf16");
+  TORCH_CHECK(KB * 32 == x.size(1), name, ": the weight must be packed for K = ", x.size(1));
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.scalar_type() == at::kBFloat16 &&
+                  out.size(0) == x.size(0) && (out.size(1) + 15) / 16 == NB,
+              name, ": out must be [M, N] bf16");
+  if (!bias || !bias->defined()) return at::Tensor();
+  TORCH_CHECK(bias->numel() == out.size(1), name, ": bias must have N elements");
+  return bias->to(at::kFloat).contiguous();
+}
 #endif
 
 // out [M, N] bfloat16 = x [M, K] W^T (+ bias), W packed as B tiles [ceil(N/16)][K/32][16][32]
 void amx_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& wp, const c10::optional<at::Tensor>& bias) {
 #ifdef ATOM_AMX_BF16
-  TORCH_CHECK(amx_permitted(), "amx_linear: this process may not use the AMX tiles");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, "amx_linear: x must be [M, K] bf16");
   TORCH_CHECK(wp.dim() == 4 && wp.is_contiguous() && wp.scalar_type() == at::kBFloat16 && wp.size(2) == 16 &&
-                  wp.size(3) == 32 && wp.size(1) * 32 == x.size(1),
-              "amx_linear: the weight must be packed for K = ", x.size(1));
-  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.scalar_type() == at::kBFloat16 &&
-                  out.size(0) == x.size(0) && (out.size(1) + 15) / 16 == wp.size(0),
-              "amx_linear: out must be [M, N] bf16");
-  if (x.size(0) == 0) return;
-  at::Tensor b;
-  if (bias && bias->defined()) {
-    TORCH_CHECK(bias->numel() == out.size(1), "amx_linear: bias must have N elements");
-    b = bias->to(at::kFloat).contiguous();
-  }
-  amx_linear_impl(out, x, wp, b.defined() ? b.data_ptr<float>() : nullptr);
+                  wp.size(3) == 32,
+              "amx_linear: the weight must be packed as B tiles");
+  const at::Tensor b = check_linear("amx_linear", out, x, wp.size(0), wp.size(1), bias);
+  if (x.size(0) > 0) amx_linear_impl(out, x, wp, b.defined() ? b.data_ptr<float>() : nullptr);
 #else
   TORCH_CHECK(false, "amx_linear: this build has no AMX kernels (the CPU lacks AMX-BF16)");
+#endif
+}
+
+// the same with W as GGUF blocks of type `qtype` (Q4_0, Q4_1, Q8_0) packed as tiles [ceil(N/16)][K/32][bytes]
+void amx_qlinear(at::Tensor& out, const at::Tensor& x, const at::Tensor& wq, int64_t qtype,
+                 const c10::optional<at::Tensor>& bias) {
+#ifdef ATOM_AMX_BF16
+  TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0, "amx_qlinear: type ", qtype, " has no AMX tiles");
+  TORCH_CHECK(wq.dim() == 3 && wq.is_contiguous() && wq.scalar_type() == at::kByte && wq.size(2) == qtile_bytes(qtype),
+              "amx_qlinear: the weight must be packed as tiles of type ", qtype);
+  const at::Tensor b = check_linear("amx_qlinear", out, x, wq.size(0), wq.size(1), bias);
+  if (x.size(0) > 0) amx_qlinear_impl(out, x, wq, qtype, b.defined() ? b.data_ptr<float>() : nullptr);
+#else
+  TORCH_CHECK(false, "amx_qlinear: this build has no AMX kernels (the CPU lacks AMX-BF16)");
 #endif
 }
 
@@ -167,6 +285,10 @@ void amx_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& wp, cons
 
 TORCH_LIBRARY_FRAGMENT(atom, m) {
   m.def("amx_linear(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");
+  m.def("amx_qlinear(Tensor(a!) out, Tensor x, Tensor weight, int qtype, Tensor? bias) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(atom, CPU, m) { m.impl("amx_linear", &amx_linear); }
+TORCH_LIBRARY_IMPL(atom, CPU, m) {
+  m.impl("amx_linear", &amx_linear);
+  m.impl("amx_qlinear", &amx_qlinear);
+}
