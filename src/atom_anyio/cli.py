@@ -145,7 +145,8 @@ def add_setting_flags(parser: argparse.ArgumentParser) -> None:
         name = setting_name(f)
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         shown = "" if name == "api_key" else f"; default {default!r}"
-        is_bool = typing.get_type_hints(owner)[f.name] is bool
+        hint = typing.get_type_hints(owner)[f.name]
+        is_bool = hint is bool or [a for a in typing.get_args(hint) if a is not type(None)] == [bool]
         parser.add_argument(
             f"--{name.replace('_', '-')}",
             dest=name,

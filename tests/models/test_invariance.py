@@ -16,6 +16,8 @@ from test_models_arch import random_hf_model
 from test_quant import random_quantized, tiny_chat_gguf, tiny_wide_ggufs  # noqa: F401, F811 (a fixture)
 
 from atom_anyio import LLM, SamplingParams, kernels
+from atom_anyio.cli import build_parser
+from atom_anyio.config import Config
 from atom_anyio.models import quant
 from atom_anyio.models.attention import AttentionMetadata
 from atom_anyio.models.attention.cpu import INVARIANT_PARTITION
@@ -268,6 +270,15 @@ def test_auto_turns_batch_invariance_on_only_where_it_costs_nothing(request, cap
         assert said and "'enabled': False" in said[-1]
     else:
         assert not said
+
+
+def test_the_setting_defaults_to_auto_and_takes_a_value_or_a_bare_flag():
+    assert Config.of().batch_invariant is None  # auto
+    assert Config.from_env({"ATOM_BATCH_INVARIANT": "0"}).batch_invariant is False
+    assert Config.from_env({"ATOM_BATCH_INVARIANT": "true"}).batch_invariant is True
+    assert build_parser().parse_args(["serve", "--batch-invariant"]).batch_invariant is True
+    assert build_parser().parse_args(["serve", "--batch-invariant", "false"]).batch_invariant is False
+    assert build_parser().parse_args(["serve"]).batch_invariant is None
 
 
 def test_batch_invariance_on_another_backend_is_a_one_line_error(tiny_gguf):
