@@ -476,9 +476,11 @@ inline bool amx_fits(int H, int KVH, int D, int BS) {
 // softmax step's keys while they are in L2. Tiles are not renamed: a load into a tile waits for
 // the products still reading it, so each phase keeps two or four products independent (two
 // chunks, two dim blocks) under its own shapes.
+// `fetch_hi`: the keys the caller reads next stop there (a unit's next partition follows on this
+// thread: the last step fetches its first one, and `fetched` says the call finds it so).
 void amx_attend(AmxScratch& w, const c10::BFloat16* q, int nt, int pos0, const c10::BFloat16* kc,
                 const c10::BFloat16* vc, int64_t slot_stride, const int* table, int BS, int key_lo, int key_hi,
-                int window, float scale, float* m, float* l, float* o) {
+                int fetch_hi, bool fetched, int window, float scale, float* m, float* l, float* o) {
   const int H = w.H, G = w.G, KVH = w.KVH, D = w.D, NDB = D / 32, group_rows = nt * G;
   const bool decode = nt == 1;
   const int cols = decode ? G : 16, blocks = decode ? 1 : (group_rows + 15) / 16;
@@ -517,11 +519,11 @@ void amx_attend(AmxScratch& w, const c10::BFloat16* q, int nt, int pos0, const c
   auto fetch_step_from = [&](int s0, int steps) {  // the step at keys s0, spread over `steps` calls
     ahead.nc = ahead.c = 0, ahead.off = 0;
     int64_t lines = 0;
-    for (int key0 = s0; key0 < key_hi && ahead.nc < AMX_CHUNKS; key0 += 16, ++ahead.nc) {
+    for (int key0 = s0; key0 < fetch_hi && ahead.nc < AMX_CHUNKS; key0 += 16, ++ahead.nc) {
       const int64_t slot = slot_of(key0);
       ahead.k[ahead.nc] = reinterpret_cast<const char*>(kc + slot * slot_stride);
       ahead.v[ahead.nc] = reinterpret_cast<const char*>(vc + slot * slot_stride);
-      ahead.bytes[ahead.nc] = std::min(16, key_hi - key0) * ld;
+      ahead.bytes[ahead.nc] = std::min(16, fetch_hi - key0) * ld;
       lines += 2 * ((ahead.bytes[ahead.nc] + 63) / 64);
     }
     ahead.per_step = (lines + steps - 1) / steps + 1;
@@ -530,8 +532,10 @@ void amx_attend(AmxScratch& w, const c10::BFloat16* q, int nt, int pos0, const c
   const __m512i odd_dims = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   const __m512 neg_inf = _mm512_set1_ps(NEG_INF);
   const c10::BFloat16 *kbase[AMX_CHUNKS], *vbase[AMX_CHUNKS];
-  fetch_step_from(key_lo, 1);
-  ahead.step();  // the first step's lines at once: nothing to spread them over
+  if (!fetched) {
+    fetch_step_from(key_lo, 1);
+    ahead.step();  // the first step's lines at once: nothing to spread them over
+  }
   for (int s0 = key_lo; s0 < key_hi; s0 += AMX_CHUNKS * 16) {
     const int nc = std::min(AMX_CHUNKS, (key_hi - s0 + 15) / 16), nkeys = std::min(AMX_CHUNKS * 16, key_hi - s0);
     const int steps_a_block = KVH * ((nc + 1) / 2) + nc * (HS / 16) + KVH * (NDB / 2) * nc;
@@ -709,9 +713,9 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
   // A unit is a tile of one sequence's query tokens with all its heads, so a chunk of KV
   // (consecutive slots, every head) is read once, in one piece. About 36 rows per kv head.
   // The AMX kernel takes every unit of a bfloat16 step where it fits, its prefill units 64 rows a
-  // kv head. It is batch-invariant when the keys are split at fixed multiples (`partition`): a
-  // row's products, its softmax steps of 128 keys and their lanes' sums are the same in a decode
-  // and in any prefill tile, the keys a row does not see adding exact zeros.
+  // kv head. It is batch-invariant when the keys are split at fixed multiples (`partition`, a
+  // multiple of 128): a row's products, its softmax steps of 128 keys and their lanes' sums are the
+  // same in a decode and in any prefill tile, the keys a row does not see adding exact zeros.
   bool use_amx = false;
 #ifdef ATOM_AMX_BF16
   use_amx = std::is_same_v<T, c10::BFloat16> && g_native && g_amx && amx_fits(H, KVH, D, BS);
@@ -725,8 +729,11 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
     for (int i = 0; i < nq; i += tile) {
       const int q_end = std::min(nq, i + tile), hi = first_pos + q_end;  // causal bound of the tile
       int lo = window > 0 ? std::max(0, first_pos + i - window + 1) / BS * BS : 0;  // chunks before: skipped
-      // batch-invariant on the tiles: the softmax steps start at the same keys for every row
-      if (use_amx && partition > 0) lo = lo / int(partition) * int(partition);
+#ifdef ATOM_AMX_BF16
+      // batch-invariant on the tiles: a row's softmax steps start at the same keys in any unit (the
+      // keys before its window that a unit adds are whole steps it does not see: exact no-ops)
+      if (use_amx && partition > 0) lo = lo / (AMX_CHUNKS * 16) * (AMX_CHUNKS * 16);
+#endif
       units.push_back({b, i, q_end, lo, hi});
       max_span = std::max(max_span, hi - lo);
     }
@@ -770,13 +777,15 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
   }
   first_item[num_units] = items.size();
   const int max_rows = tile * H;  // rows: kv head major, then query token, then head of the group
+  int part_rows = 0;  // a partial's rows: the most any unit of this call has (a decode's H)
+  for (const Unit& u : units) part_rows = std::max(part_rows, (u.q_end - u.q_begin) * H);
   // one task per item when the units alone cannot keep the threads busy, else one per unit
   // (its partitions in order, merged in the task: no partials kept for the whole step)
   const bool per_item = merged && num_units < 4 * threads;
   std::vector<float> partial_o, partial_ml;
   if (per_item) {
-    partial_o.assign(items.size() * max_rows * D, 0.f);
-    partial_ml.assign(items.size() * max_rows * 2, 0.f);
+    partial_o.assign(items.size() * part_rows * D, 0.f);
+    partial_ml.assign(items.size() * part_rows * 2, 0.f);
   }
   auto out_row = [&](const Unit& u, int nt, int r) {
     const int h = r / (nt * G), i = u.q_begin + (r / G) % nt, g = r % G;
@@ -786,16 +795,16 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
   auto sink_term = [&](int nt, int r, float mx) {
     return sinks ? std::exp(sinks[r / (nt * G) * G + r % G] - mx) : 0.f;
   };
-  // a unit's rows from its `count` partials (ml: [count][max_rows][2], o: [count][max_rows][D])
+  // a unit's rows from its `count` partials (ml: [count][part_rows][2], o: [count][part_rows][D])
   auto merge = [&](const Unit& u, int count, const float* ml, const float* po, float* acc) {
     const int nt = u.q_end - u.q_begin;
     for (int r = 0; r < nt * H; ++r) {
       float mx = NEG_INF;
-      for (int s = 0; s < count; ++s) mx = std::max(mx, ml[(s * max_rows + r) * 2]);
+      for (int s = 0; s < count; ++s) mx = std::max(mx, ml[(s * part_rows + r) * 2]);
       std::fill(acc, acc + D, 0.f);
       float sum = 0.f;
       for (int s = 0; s < count; ++s) {
-        const size_t base = size_t(s) * max_rows + r;
+        const size_t base = size_t(s) * part_rows + r;
         const float ms = ml[base * 2];
         if (ms == NEG_INF) continue;  // a partition past the row's causal bound
         const float w = std::exp(ms - mx);
@@ -824,7 +833,7 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
     if (use_amx) amx = std::make_unique<AmxScratch>(H, KVH, D);
 #endif
     // rows' m, l, o over keys [key_lo, key_hi) of unit u
-    auto attend = [&](const Unit& u, int key_lo, int key_hi) {
+    auto attend = [&](const Unit& u, int key_lo, int key_hi, int fetch_hi = -1, bool fetched = false) {
       const int first_pos = lens[u.seq] - (qstart[u.seq + 1] - qstart[u.seq]);
       const int nt = u.q_end - u.q_begin, rows = nt * H, group_rows = nt * G;
       // Few rows a head (decodes) take their scores from the keys as they lie, where staging the
@@ -839,8 +848,8 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
       if (amx) {
         amx_attend(*amx, reinterpret_cast<const c10::BFloat16*>(qp) + (int64_t(qstart[u.seq]) + u.q_begin) * H * D, nt,
                    first_pos + u.q_begin, reinterpret_cast<const c10::BFloat16*>(kp),
-                   reinterpret_cast<const c10::BFloat16*>(vp), slot_stride, table, BS, key_lo, key_hi, window,
-                   float(scale), m.data(), l.data(), o.data());
+                   reinterpret_cast<const c10::BFloat16*>(vp), slot_stride, table, BS, key_lo, key_hi,
+                   fetch_hi < 0 ? key_hi : fetch_hi, fetched, window, float(scale), m.data(), l.data(), o.data());
         return;
       }
 #endif
@@ -917,27 +926,29 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
     };
     // a partial (unnormalised output, running max and sum) into ml/po at slot s
     auto keep = [&](int rows, float* ml, float* po, int s) {
-      std::copy(o.begin(), o.begin() + rows * D, po + size_t(s) * max_rows * D);
+      std::copy(o.begin(), o.begin() + rows * D, po + size_t(s) * part_rows * D);
       for (int r = 0; r < rows; ++r) {
-        ml[(size_t(s) * max_rows + r) * 2] = m[r];
-        ml[(size_t(s) * max_rows + r) * 2 + 1] = l[r];
+        ml[(size_t(s) * part_rows + r) * 2] = m[r];
+        ml[(size_t(s) * part_rows + r) * 2 + 1] = l[r];
       }
     };
     for (int64_t task = begin; task < end; ++task) {
-      if (per_item) {
+      if (per_item) {  // this thread's tasks are in order: a unit's next partition is often the next task
         const Item& it = items[task];
-        attend(units[it.unit], it.key_lo, it.key_hi);
+        const bool next_same = task + 1 < end && items[task + 1].unit == it.unit;
+        const bool prev_same = task > begin && items[task - 1].unit == it.unit;
+        attend(units[it.unit], it.key_lo, it.key_hi, next_same ? items[task + 1].key_hi : it.key_hi, prev_same);
         keep((units[it.unit].q_end - units[it.unit].q_begin) * H, partial_ml.data(), partial_o.data(), int(task));
         continue;
       }
       const Unit& u = units[task];
       const int nt = u.q_end - u.q_begin, rows = nt * H, count = first_item[task + 1] - first_item[task];
       if (merged) {
-        unit_o.resize(size_t(count) * max_rows * D);
-        unit_ml.resize(size_t(count) * max_rows * 2);
+        unit_o.resize(size_t(count) * part_rows * D);
+        unit_ml.resize(size_t(count) * part_rows * 2);
         for (int s = 0; s < count; ++s) {
           const Item& it = items[first_item[task] + s];
-          attend(u, it.key_lo, it.key_hi);
+          attend(u, it.key_lo, it.key_hi, u.key_hi, s > 0);  // the partitions in order: each fetches the next
           keep(rows, unit_ml.data(), unit_o.data(), s);
         }
         merge(u, count, unit_ml.data(), unit_o.data(), acc.data());
@@ -957,8 +968,8 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
     std::vector<float> acc(D);
     for (int64_t ui = begin; ui < end; ++ui) {
       const size_t first = first_item[ui];
-      merge(units[ui], first_item[ui + 1] - first_item[ui], partial_ml.data() + first * max_rows * 2,
-            partial_o.data() + first * max_rows * D, acc.data());
+      merge(units[ui], first_item[ui + 1] - first_item[ui], partial_ml.data() + first * part_rows * 2,
+            partial_o.data() + first * part_rows * D, acc.data());
     }
   });
 }
