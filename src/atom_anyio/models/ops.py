@@ -139,10 +139,11 @@ class InvariantCpuOps(CpuOps):
     than at 16 or 32; float32 1-3 rows differently from 4+), so every linear runs on tiles of
     ``TILE_ROWS`` rows, the last one padded with zeros: bfloat16 tiles each through oneDNN's GEMM
     of that one shape (one shape runs one way, and a row's sums do not depend on its place in the
-    tile); float32 rows and quantized blocks without a dense copy through the project's GEMVs, four
-    rows at a time, whose sums per row have one order whatever the other rows (torch's float32
-    GEMM gave a row different bits depending on the batch). docs/engine.md, "Batch invariance",
-    says what it costs."""
+    tile); float32 rows (over a plain weight or a quantized layer's dense copy) and quantized blocks
+    without a dense copy through the project's GEMVs, four rows at a time, whose sums per row have
+    one order whatever the other rows (torch's float32 GEMM, MKL, gave a row different bits
+    depending on the batch, and on an AMX Xeon about one end-to-end run in ten even for 16-row
+    tiles of one shape). docs/engine.md, "Batch invariance", says what it costs."""
 
     name = "cpu_invariant"
     TILE_ROWS = 16
@@ -160,8 +161,9 @@ class InvariantCpuOps(CpuOps):
         if getattr(layer, "packed_weight", None) is None:
             if isinstance(w, QuantizedWeight) and w.dense is None:
                 return _gemv_rows(x, w.shape[0], torch.ops.atom.qgemv, w.data, w.qtype.value, layer.bias)
-            if _float32_gemv_runs(x, w):
-                return _gemv_rows(x, w.shape[0], torch.ops.atom.gemv, w, layer.bias)
+            dense = w.dense if isinstance(w, QuantizedWeight) else w
+            if _float32_gemv_runs(x, dense):  # a dense copy too: MKL's GEMM gave a row other bits now and then
+                return _gemv_rows(x, w.shape[0], torch.ops.atom.gemv, dense, layer.bias)
         x, rows = _padded(x, InvariantCpuOps.TILE_ROWS)
         tiles = [_tile_linear(t, layer) for t in x.split(InvariantCpuOps.TILE_ROWS)]
         return (tiles[0] if len(tiles) == 1 else torch.cat(tiles))[:rows]
