@@ -90,9 +90,10 @@ class Worker:
         if self.device.type == "cpu" and issubclass(model.attention_backend.ops, CpuOps):
             kernels.use_native_kernels(native_kernels)
             kernels.use_amx_kernels(amx)
-            use_amx_linears(model, amx and native_kernels)
+            on_tiles = amx and native_kernels
+            use_amx_linears(model, on_tiles)
             backend = model.attention_backend
-            if getattr(backend, "free_invariance", False) and not (amx and native_kernels):
+            if getattr(backend, "free_invariance", False) and not on_tiles:
                 backend.use_free_invariance(False)  # it would cost there: auto leaves it off
                 why = "cpu_amx or cpu_native_kernels off"
                 log.info("model.batch_invariant", enabled=False, requested="auto", why=why)

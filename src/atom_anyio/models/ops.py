@@ -96,7 +96,7 @@ class CpuOps:
         so each slice streams once while it is in cache): measured 1.2-1.6x faster
         than one GEMM for 16-64 rows, same bits."""
         w = layer.weight
-        packed = any(getattr(layer, name, None) is not None for name in ("packed_weight", "amx_weight", "amx_qweight"))
+        packed = getattr(layer, "packed_weight", None) is not None or on_amx_tiles(layer)
         if x.shape[0] <= CpuOps.MAX_GEMV_ROWS or layer.bias is not None or isinstance(w, QuantizedWeight) or packed:
             return CpuOps.linear(x, layer)
         out = x.new_empty(w.shape[0], x.shape[0])
@@ -153,11 +153,8 @@ class InvariantCpuOps(CpuOps):
         w = layer.weight
         if x.shape[0] == 0:
             return x.new_empty(0, w.shape[0])
-        if getattr(layer, "amx_qweight", None) is not None:  # one chain of tile products per element
-            return amx_qlinear(x, layer)
-        amx = getattr(layer, "amx_weight", None)
-        if amx is not None:  # the same, over the bfloat16 tiles
-            return amx_linear(x, amx, w.shape[0], layer.bias)
+        if on_amx_tiles(layer):  # CpuOps' AMX GEMM: one chain of tile products per element at any row count
+            return CpuOps.linear(x, layer)
         if getattr(layer, "packed_weight", None) is None:
             if isinstance(w, QuantizedWeight) and w.dense is None:
                 return _gemv_rows(x, w.shape[0], torch.ops.atom.qgemv, w.data, w.qtype.value, layer.bias)
@@ -259,7 +256,8 @@ def pack_amx_qweight(w: QuantizedWeight) -> torch.Tensor:
         q = torch.cat((nibbles & 0x0F, nibbles >> 4), dim=-1)  # the 32 weights in order
         q = q.reshape(nb, kb, 16, 16, 2).transpose(2, 3)  # [.., row, column, 2]
         pairs = q[..., 0] | (q[..., 1] << 4)
-        scales = blocks[..., :4] if w.qtype == quant.Q.Q4_1 else torch.cat((blocks[..., :2], blocks[..., :2] * 0), -1)
+        d = blocks[..., :2]
+        scales = blocks[..., :4] if w.qtype == quant.Q.Q4_1 else torch.cat((d, torch.zeros_like(d)), -1)
     d_m = scales.reshape(nb, kb, 16, -1, 2).transpose(2, 3)  # [.., d then m, column, 2 bytes]
     return torch.cat((pairs.reshape(nb, kb, -1), d_m.reshape(nb, kb, -1)), dim=-1).contiguous()
 
@@ -291,7 +289,7 @@ def pack_bf16_linears(model: torch.nn.Module, amx: bool | None = None) -> int:
     up too. Packing again in the other layout converts the layers (``Worker`` does, for
     ``cpu_amx``). Returns the bytes the packed copies take."""
     if amx is None:
-        amx = kernels.load_cpu_kernels() is None and kernels.has_amx_linears()
+        amx = kernels.has_amx_linears()
     looked_up = {id(m.weight) for m in model.modules() if isinstance(m, quant.QuantEmbedding)}
     num_bytes = 0
     for m in model.modules():
@@ -306,7 +304,7 @@ def pack_bf16_linears(model: torch.nn.Module, amx: bool | None = None) -> int:
             dense = _unpack_onednn(m.packed_weight, w.shape)
         m.amx_qweight = None
         if dense is None:  # blocks without a dense copy: the quantized tiles, else the GEMV and dequantized slices
-            if amx and quantized and w.qtype in AMX_QTYPES:
+            if amx and takes_quantized_tiles(w):
                 m.amx_qweight = pack_amx_qweight(w)
                 num_bytes += m.amx_qweight.nbytes
             continue
@@ -321,6 +319,11 @@ def pack_bf16_linears(model: torch.nn.Module, amx: bool | None = None) -> int:
     return num_bytes
 
 
+def takes_quantized_tiles(w: torch.Tensor | QuantizedWeight) -> bool:
+    """Whether the AMX GEMM runs this weight's own blocks (bfloat16 activations, no dense copy)."""
+    return isinstance(w, QuantizedWeight) and w.dense is None and w.qtype in AMX_QTYPES and w.dtype == torch.bfloat16
+
+
 def on_amx_tiles(layer: torch.nn.Module) -> bool:
     """Whether the layer's GEMMs run on the AMX GEMM (its bfloat16 or quantized tiles)."""
     return getattr(layer, "amx_weight", None) is not None or getattr(layer, "amx_qweight", None) is not None
@@ -329,14 +332,10 @@ def on_amx_tiles(layer: torch.nn.Module) -> bool:
 def use_amx_linears(model: torch.nn.Module, enabled: bool) -> None:
     """Run the model's packed bfloat16 linears on the AMX GEMM (where the kernels have it) or on
     oneDNN's, converting the layers packed the other way."""
-    enabled = enabled and kernels.load_cpu_kernels() is None and kernels.has_amx_linears()
+    enabled = enabled and kernels.has_amx_linears()
     for m in model.modules():
-        w = getattr(m, "weight", None)
-        packed = any(getattr(m, a, None) is not None for a in ("packed_weight", "amx_weight", "amx_qweight"))
-        tiles_for_blocks = (
-            isinstance(w, QuantizedWeight) and w.dense is None and w.qtype in AMX_QTYPES and w.dtype == torch.bfloat16
-        )
-        if (packed or tiles_for_blocks) and on_amx_tiles(m) != enabled:
+        packed = getattr(m, "packed_weight", None) is not None or on_amx_tiles(m)
+        if (packed or takes_quantized_tiles(getattr(m, "weight", None))) and on_amx_tiles(m) != enabled:
             pack_bf16_linears(model, enabled)
             return
 

@@ -38,14 +38,14 @@ class CpuPagedAttention:
         self.amx_prefill = amx_prefill
         self.ops = InvariantCpuOps if batch_invariant else CpuOps
         self.name = "cpu_paged" if self.paged_prefill else "cpu"
-        self._unpaged = not self.paged_prefill
+        self._own_paged_prefill = self.paged_prefill  # what use_free_invariance(False) goes back to
 
     def use_free_invariance(self, enabled: bool) -> None:
         """Batch-invariant attention (every row through the kernel, keys split at fixed multiples)
         for a model whose linears already are (every one on the AMX GEMM, which ``CpuOps`` runs at
         any row count: ``loader.free_invariance_reason``), or back to this backend's own way."""
         self.free_invariance = self.batch_invariant = enabled
-        self.paged_prefill = enabled or not self._unpaged
+        self.paged_prefill = enabled or self._own_paged_prefill
         self.name = "cpu_paged" if self.paged_prefill else "cpu"
 
     def runs_in_kernel(self, meta: AttentionMetadata) -> bool:
