@@ -537,8 +537,8 @@ needs_amx_linears = pytest.mark.skipif(
 @pytest.mark.parametrize("n,k,bias", [(80, 96, True), (576, 576, False), (49, 64, True), (40, 1536, False)])
 def test_amx_linears_equal_the_product_and_give_a_row_the_same_bits_in_any_batch(n, k, bias):
     """The AMX GEMM (gemm.cpp) within a bfloat16 rounding of the exact product, for any row
-    count (one to four column blocks a unit, 2 x 2 blocks past 16 rows, row chunks of 256, a last
-    block of rows and of columns cut short); a row's output the same bits whatever rows share its
+    count (one to four column blocks a unit, 2 x 2 blocks past 16 rows, row chunks of 64, K in
+    blocks of 8 tile steps with a short last one, a last block of rows and of columns cut short); a row's output the same bits whatever rows share its
     call, and the packed tiles unpack to the weight."""
     torch.manual_seed(0)
     w = torch.randn(n, k).bfloat16()

@@ -11,7 +11,8 @@
 // bfloat16. So a row's result does not depend on the other rows of the call: the linears are
 // batch-invariant by construction (docs/engine.md, "Batch invariance"), where oneDNN's GEMM
 // blocks K differently by the row count. Measured on a 2-core Xeon with AMX against oneDNN's
-// packed GEMM at SmolLM2's shapes: 1.2-3.5x faster up to 64 rows, 0.9-1.7x at 580.
+// packed GEMM over SmolLM2's seven linears of a layer: 2.7x faster at 1 row, 2.8x at 16, 2.0x at
+// 64, 1.4x at 256 and 555, 1.17x at 2,048.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -29,7 +30,22 @@ using namespace atom;
 
 #ifdef ATOM_AMX_BF16
 constexpr int64_t TILE_BYTES = 1024;  // a packed B tile: 16 rows of 64 bytes
-constexpr int64_t M_CHUNK = 256;      // rows whose A tiles stay in L2 while a thread sweeps its columns
+// A unit of many rows: up to the source's `unit_rows` rows by two column blocks, K in blocks of
+// K_BLOCK tile steps (a row pair's A tiles and the B tiles of a block, 32 KB, stay in L1). The
+// rows are cut in chunks of about equal size: at 256 rows a unit, 555 rows (chunks of 256, 256
+// and 43) had left one thread twice the other's work. On the 2-core Xeon,
+// bfloat16 tiles at 64 rows a unit against 256 and K whole: 1.2x a layer at 2,048 rows and
+// 1.3x at 555 (same run, same bits). Quantized tiles keep 256 rows a unit, since a unit
+// dequantizes its panel once.
+constexpr int64_t K_BLOCK = 8;
+
+// 16-row blocks of a unit past 16 rows: `max_rows` or fewer, the chunks of rows as even as they
+// can be, so that any contiguous share of the units is a fair share of the work; an even number
+// (2 x 2 blocks; `most` is even, so rounding up stays within it)
+inline int64_t unit_blocks(int64_t MB, int64_t max_rows) {
+  const int64_t most = max_rows / 16, chunks = (MB + most - 1) / most, blocks = (MB + chunks - 1) / chunks;
+  return blocks + blocks % 2;
+}
 
 // tiles 0-3, a unit's accumulators
 inline void zero_accumulators() {
@@ -113,13 +129,14 @@ void amx_gemm(at::Tensor& out, const at::Tensor& x, int64_t NB, int64_t KB, cons
   // a unit: NG column blocks for one chunk of rows. Up to 16 rows, four column blocks share each
   // A tile (one A, two B tiles in turn, four accumulators); past that, 2 x 2 blocks
   const int64_t NG = M <= 16 ? 4 : 2, groups = (NB + NG - 1) / NG;
-  const int64_t chunk_blocks = M_CHUNK / 16, chunks = (MB + chunk_blocks - 1) / chunk_blocks;
+  const int64_t chunk_blocks = unit_blocks(MB, Source::unit_rows), chunks = (MB + chunk_blocks - 1) / chunk_blocks;
   at::parallel_for(0, chunks * groups, 1, [&](int64_t u0, int64_t u1) {
     TileScope scope;
     TileConfig cfg;
     for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
     _tile_loadconfig(&cfg);
     alignas(64) float acc[4][256];
+    alignas(64) float parked[Source::unit_rows / 32][4 * 256];  // each row pair's accumulators between K blocks
     std::vector<c10::BFloat16> tail;  // the last block's rows beside zeros: every A tile reads 16 rows
     if (M % 16) {
       tail.assign(16 * K, c10::BFloat16(0.f));
@@ -164,36 +181,57 @@ void amx_gemm(at::Tensor& out, const at::Tensor& x, int64_t NB, int64_t KB, cons
       }
       const char* panel = source.panel(nb0, nbs);
       auto b_tile = [&](int64_t j, int64_t kb) { return panel + (j * KB + kb) * TILE_BYTES; };
-      const int64_t mb_end = std::min(MB, (chunk + 1) * chunk_blocks);
+      const int64_t mb_begin = chunk * chunk_blocks, mb_end = std::min(MB, mb_begin + chunk_blocks);
       const bool two_n = nbs > 1;
-      for (int64_t mb = chunk * chunk_blocks; mb < mb_end; mb += 2) {
-        const bool two_m = mb + 1 < mb_end;
-        const c10::BFloat16 *a0 = a_block(mb), *a1 = two_m ? a_block(mb + 1) : a0;
-        zero_accumulators();
-        for (int64_t kb = 0; kb < KB; ++kb) {
-          _tile_loadd(4, a0 + kb * 32, lda);
-          _tile_loadd(6, b_tile(0, kb), 64);
-          _tile_dpbf16ps(0, 4, 6);
-          if (two_n) {
-            _tile_loadd(7, b_tile(1, kb), 64);
-            _tile_dpbf16ps(1, 4, 7);
+      // K in blocks of K_BLOCK tile steps, every row pair of the chunk taking a block while its B
+      // tiles are in L1; between blocks a pair's accumulators wait in `parked` (float32 there and
+      // back: the chain is unchanged)
+      for (int64_t k0 = 0; k0 < KB; k0 += K_BLOCK) {
+        const int64_t k1 = std::min(KB, k0 + K_BLOCK);
+        for (int64_t mb = mb_begin; mb < mb_end; mb += 2) {
+          const bool two_m = mb + 1 < mb_end;
+          const c10::BFloat16 *a0 = a_block(mb), *a1 = two_m ? a_block(mb + 1) : a0;
+          float* park = parked[(mb - mb_begin) / 2];
+          if (k0 == 0) {
+            zero_accumulators();
+          } else {
+            _tile_loadd(0, park, 64);  // tile numbers are immediates: no loop
+            _tile_loadd(1, park + 256, 64);
+            _tile_loadd(2, park + 512, 64);
+            _tile_loadd(3, park + 768, 64);
           }
-          if (two_m) {
-            _tile_loadd(5, a1 + kb * 32, lda);
-            _tile_dpbf16ps(2, 5, 6);
-            if (two_n) _tile_dpbf16ps(3, 5, 7);
+          for (int64_t kb = k0; kb < k1; ++kb) {
+            _tile_loadd(4, a0 + kb * 32, lda);
+            _tile_loadd(6, b_tile(0, kb), 64);
+            _tile_dpbf16ps(0, 4, 6);
+            if (two_n) {
+              _tile_loadd(7, b_tile(1, kb), 64);
+              _tile_dpbf16ps(1, 4, 7);
+            }
+            if (two_m) {
+              _tile_loadd(5, a1 + kb * 32, lda);
+              _tile_dpbf16ps(2, 5, 6);
+              if (two_n) _tile_dpbf16ps(3, 5, 7);
+            }
           }
+          if (k1 < KB) {
+            _tile_stored(0, park, 64);
+            _tile_stored(1, park + 256, 64);
+            _tile_stored(2, park + 512, 64);
+            _tile_stored(3, park + 768, 64);
+            continue;
+          }
+          _tile_stored(0, acc[0], 64);
+          if (two_n) _tile_stored(1, acc[1], 64);
+          if (two_m) _tile_stored(2, acc[2], 64);
+          if (two_m && two_n) _tile_stored(3, acc[3], 64);
+          for (int64_t i = 0; i < (two_m ? 2 : 1); ++i)
+            for (int64_t j = 0; j < (two_n ? 2 : 1); ++j) {
+              const int64_t m0 = (mb + i) * 16, n0 = (nb0 + j) * 16;
+              store_tile(O + m0 * N + n0, N, acc[i * 2 + j], std::min<int64_t>(16, M - m0),
+                         std::min<int64_t>(16, N - n0), bias ? bias + n0 : nullptr);
+            }
         }
-        _tile_stored(0, acc[0], 64);
-        if (two_n) _tile_stored(1, acc[1], 64);
-        if (two_m) _tile_stored(2, acc[2], 64);
-        if (two_m && two_n) _tile_stored(3, acc[3], 64);
-        for (int64_t i = 0; i < (two_m ? 2 : 1); ++i)
-          for (int64_t j = 0; j < (two_n ? 2 : 1); ++j) {
-            const int64_t m0 = (mb + i) * 16, n0 = (nb0 + j) * 16;
-            store_tile(O + m0 * N + n0, N, acc[i * 2 + j], std::min<int64_t>(16, M - m0),
-                       std::min<int64_t>(16, N - n0), bias ? bias + n0 : nullptr);
-          }
       }
     }
   });
@@ -201,6 +239,7 @@ void amx_gemm(at::Tensor& out, const at::Tensor& x, int64_t NB, int64_t KB, cons
 
 // the bfloat16 tiles as packed: nothing to do but point at them
 struct PackedTiles {
+  static constexpr int64_t unit_rows = 64;
   const char* w;
   int64_t KB, step_stride;
   const char* panel(int64_t nb0, int64_t) const { return w + nb0 * KB * TILE_BYTES; }
@@ -209,6 +248,7 @@ struct PackedTiles {
 
 // quantized tiles, dequantized into this thread's buffers
 struct QuantTiles {
+  static constexpr int64_t unit_rows = 256;  // a unit dequantizes its panel: more rows to share it
   const uint8_t* w;
   int64_t KB, type, bytes, step_stride = TILE_BYTES;
   const uint8_t* tile(int64_t nb, int64_t kb) const { return w + (nb * KB + kb) * bytes; }
