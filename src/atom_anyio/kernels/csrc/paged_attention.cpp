@@ -20,8 +20,11 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <memory>
+#include <numeric>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -819,6 +822,17 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
   };
 
   const int64_t num_tasks = per_item ? int64_t(items.size()) : num_units;
+  // Units taken one by one as threads come free, heaviest (rows x keys) first: split in contiguous
+  // shares, a lone fresh prompt's later tiles (which see more keys) had fallen to one thread,
+  // up to three times the other's work.
+  std::vector<int> heaviest_first;
+  std::atomic<int64_t> next_unit{0};
+  if (!per_item) {
+    heaviest_first.resize(num_units);
+    std::iota(heaviest_first.begin(), heaviest_first.end(), 0);
+    auto work = [&](int ui) { return int64_t(units[ui].q_end - units[ui].q_begin) * (units[ui].key_hi - units[ui].key_lo); };
+    std::stable_sort(heaviest_first.begin(), heaviest_first.end(), [&](int a, int b) { return work(a) > work(b); });
+  }
   at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qs(max_rows * D), o(max_rows * D), kt(D * KW), vb(KW * D), m(max_rows), l(max_rows), acc(D);
     std::vector<float> unit_o, unit_ml;  // a unit's partials, when its task merges them
@@ -932,15 +946,20 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
         ml[(size_t(s) * part_rows + r) * 2 + 1] = l[r];
       }
     };
-    for (int64_t task = begin; task < end; ++task) {
-      if (per_item) {  // this thread's tasks are in order: a unit's next partition is often the next task
+    if (per_item) {  // this thread's tasks are in order: a unit's next partition is often the next task
+      for (int64_t task = begin; task < end; ++task) {
         const Item& it = items[task];
         const bool next_same = task + 1 < end && items[task + 1].unit == it.unit;
         const bool prev_same = task > begin && items[task - 1].unit == it.unit;
         attend(units[it.unit], it.key_lo, it.key_hi, next_same ? items[task + 1].key_hi : it.key_hi, prev_same);
         keep((units[it.unit].q_end - units[it.unit].q_begin) * H, partial_ml.data(), partial_o.data(), int(task));
-        continue;
       }
+      return;
+    }
+    // one unit at a time, the next one the heaviest left, whichever thread is free (each unit's
+    // result is its own: which thread runs it changes nothing)
+    for (int64_t next; (next = next_unit.fetch_add(1, std::memory_order_relaxed)) < num_tasks;) {
+      const int64_t task = heaviest_first[next];
       const Unit& u = units[task];
       const int nt = u.q_end - u.q_begin, rows = nt * H, count = first_item[task + 1] - first_item[task];
       if (merged) {
