@@ -21,6 +21,7 @@ from atom_anyio.config import Config
 from atom_anyio.models import quant
 from atom_anyio.models.attention import AttentionMetadata
 from atom_anyio.models.attention.cpu import INVARIANT_PARTITION
+from atom_anyio.models.loader import load_model
 from atom_anyio.models.ops import InvariantCpuOps, pack_bf16_linears
 from atom_anyio.models.quant import QuantLinear
 
@@ -278,6 +279,30 @@ def test_auto_turns_batch_invariance_on_only_where_it_costs_nothing(request, cap
         assert said and "'enabled': False" in said[-1]
     else:
         assert not said
+
+
+@needs_amx
+def test_an_engine_built_later_on_the_same_model_takes_autos_invariance_back(wide_gguf):
+    """The Worker of an engine with the tiles off turns auto's invariance off on the shared model;
+    the next engine on that model, with the tiles on, turns it back on and answers as an engine on
+    a model loaded afresh."""
+    loaded = load_model(str(wide_gguf), dtype="bfloat16", gguf_weights="both")
+    backend = loaded.model.attention_backend
+    assert backend.free_invariance and backend.batch_invariant
+    params = SamplingParams(max_tokens=6, temperature=0)
+    try:
+        off = LLM(loaded, num_kv_blocks=64, cpu_amx=False)
+        assert not backend.free_invariance and not backend.batch_invariant
+        assert off.generate([TARGET[:40]], params)[0].outputs[0].finish_reason == "length"
+        del off
+        on = LLM(loaded, num_kv_blocks=64)
+        assert backend.free_invariance and backend.batch_invariant and backend.paged_prefill
+        fresh = LLM(str(wide_gguf), dtype="bfloat16", gguf_weights="both", num_kv_blocks=64)
+        tokens = [llm.generate([TARGET[:40]], params)[0].outputs[0].token_ids for llm in (on, fresh)]
+        assert tokens[0] == tokens[1]
+    finally:
+        kernels.use_native_kernels(True)
+        kernels.use_amx_kernels(True)
 
 
 def test_the_setting_defaults_to_auto_and_takes_a_value_or_a_bare_flag():

@@ -93,10 +93,12 @@ class Worker:
             on_tiles = amx and native_kernels
             use_amx_linears(model, on_tiles)
             backend = model.attention_backend
-            if getattr(backend, "free_invariance", False) and not on_tiles:
-                backend.use_free_invariance(False)  # it would cost there: auto leaves it off
-                why = "cpu_amx or cpu_native_kernels off"
-                log.info("model.batch_invariant", enabled=False, requested="auto", why=why)
+            # auto's choice at load holds only with the tiles on: off, it would cost (and an engine
+            # built later on the same model with them on again takes it back)
+            if getattr(backend, "free_invariance_chosen", False) and backend.free_invariance != on_tiles:
+                backend.use_free_invariance(on_tiles)
+                why = "cpu_amx and cpu_native_kernels on" if on_tiles else "cpu_amx or cpu_native_kernels off"
+                log.info("model.batch_invariant", enabled=on_tiles, requested="auto", why=why)
         cfg = model.config
         num_slots = (num_blocks + (decode_graphs is not None)) * block_size  # a spare block for padding rows
         self.kv_pool = torch.zeros(

@@ -187,6 +187,7 @@ def load_model(
         packed_bytes = pack_bf16_linears(model)
     if batch_invariant is None and (why := free_invariance_reason(model)):
         model.attention_backend.use_free_invariance(True)
+        model.attention_backend.free_invariance_chosen = True
         log.info("model.batch_invariant", enabled=True, requested="auto", why=why)
     log.info(
         "model.weights",

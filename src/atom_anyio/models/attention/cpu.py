@@ -33,6 +33,7 @@ class CpuPagedAttention:
         self.paged_prefill = paged_prefill or batch_invariant
         self.batch_invariant = batch_invariant
         self.free_invariance = False  # batch_invariant turned on by auto where it costs nothing
+        self.free_invariance_chosen = False  # auto chose it at load: each engine's Worker decides whether it runs
         # prefill chunks through the kernel while it runs on the AMX tiles (auto's choice for
         # bfloat16 on such a CPU), through SDPA when cpu_amx=false turns them off
         self.amx_prefill = amx_prefill
