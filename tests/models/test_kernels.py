@@ -527,6 +527,29 @@ def test_the_amx_decode_leaves_the_tiles_as_torch_set_them():
     assert torch.equal(decoded, CpuPagedAttention().forward(*step))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_store_kv_writes_what_index_copy_writes(dtype):
+    """The cpu backend's one-call store of a step's keys and values (views of the qkv rows, token
+    stride wider than a row) leaves the caches as the two index_copy_ calls do; a slot past the
+    cache is an error naming it, before anything is written."""
+    torch.manual_seed(0)
+    slots, kv_heads, head_dim, tokens = 64, 3, 32, 20
+    qkv = torch.randn(tokens, (6 + 2 * kv_heads) * head_dim).to(dtype)
+    _, k, v = qkv.split([6 * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    k, v = k.view(tokens, kv_heads, head_dim), v.view(tokens, kv_heads, head_dim)
+    mapping = torch.randperm(slots)[:tokens]
+    caches = [torch.randn(slots, kv_heads, head_dim).to(dtype) for _ in range(2)]
+    expected = [c.clone() for c in caches]
+    expected[0].index_copy_(0, mapping, k)
+    expected[1].index_copy_(0, mapping, v)
+    torch.ops.atom.store_kv(caches[0], caches[1], k, v, mapping)
+    assert all(torch.equal(c, e) for c, e in zip(caches, expected, strict=True))
+    before = [c.clone() for c in caches]
+    with pytest.raises(RuntimeError, match=f"slot {slots} is out of the cache"):
+        torch.ops.atom.store_kv(caches[0], caches[1], k[:2], v[:2], torch.tensor([0, slots]))
+    assert all(torch.equal(c, b) for c, b in zip(caches, before, strict=True))
+
+
 AMX_LINEAR = "linear_amx_bf16"
 needs_amx_linears = pytest.mark.skipif(
     AMX_LINEAR not in kernels.native_kernels(), reason=f"{AMX_LINEAR}: no AMX tiles on this CPU or OS"

