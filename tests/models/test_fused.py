@@ -18,6 +18,7 @@ from atom_anyio.models.attention import AttentionMetadata, CpuPagedAttention, To
 from atom_anyio.models.decoder import FULL, SLIDING, LlamaForCausalLM, ModelConfig
 from atom_anyio.models.loader import load_model
 from atom_anyio.models.moe import MoeConfig
+from atom_anyio.models.ops import pack_bf16_linears
 
 Q = gguf.GGMLQuantizationType
 BLOCK = 4
@@ -120,6 +121,26 @@ def test_fused_step_equals_the_op_by_op_path_in_float32(variant, step):
     assert_same(random_model(**VARIANTS[variant]), step)
 
 
+AMX_LINEAR = "linear_amx_bf16"
+needs_amx_linears = pytest.mark.skipif(
+    AMX_LINEAR not in kernels.native_kernels(), reason=f"{AMX_LINEAR}: no AMX tiles on this CPU or OS"
+)
+
+
+@needs_amx_linears
+@pytest.mark.parametrize("step", list(STEPS))
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("invariant", [False, True], ids=["own-split", "batch-invariant"])
+def test_fused_step_equals_the_op_by_op_path_in_bfloat16_on_the_amx_tiles(variant, step, invariant):
+    """What auto picks on a CPU with AMX: bfloat16, every linear on the AMX GEMM (at any row count,
+    so the fused decoder runs it past four rows too), the attention's partition as the backend
+    passes it (batch invariance on or off)."""
+    model = random_model(**VARIANTS[variant]).to(torch.bfloat16)
+    pack_bf16_linears(model, amx=True)
+    model.attention_backend.use_free_invariance(invariant)
+    assert_same(model, step)
+
+
 @pytest.fixture(scope="module")
 def tiny_ggufs(tmp_path_factory):
     """One seeded tiny Llama as GGUFs of each type with a kernel."""
@@ -147,8 +168,11 @@ def test_models_the_fused_decoder_does_not_take_say_why_and_run_op_by_op():
     cases = {
         "attention backend 'torch'": random_model(backend=TorchPagedAttention()),
         "mixture-of-experts": random_model(moe=moe, architecture="Qwen3MoeForCausalLM"),
-        "weights other than float32": random_model().to(torch.bfloat16),
+        "weights other than float32": random_model().to(torch.bfloat16),  # linears off the AMX tiles
     }
+    onednn = random_model().to(torch.bfloat16)
+    pack_bf16_linears(onednn, amx=False)  # cpu_amx=false on a CPU with AMX, or a CPU without
+    cases["oneDNN"] = onednn
     for reason, model in cases.items():
         decoder, why = fused.build(model)
         assert decoder is None and reason in why
@@ -175,3 +199,38 @@ def test_served_greedy_tokens_equal_the_op_by_op_engines(tiny_ggufs):
         outputs[use_fused] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         assert (llm.loaded.model.fused_decoder() is not None) == use_fused
     assert outputs[True] == outputs[False]
+
+
+@needs_amx_linears
+@pytest.mark.parametrize("step", ["one decode", "six decodes", "decodes and a chunk over a cached prefix"])
+def test_fused_step_equals_the_op_by_op_path_for_a_gguf_at_the_defaults_on_amx(tiny_ggufs, step):
+    """The default model's layout where auto picks bfloat16: GGUF blocks with their dense copies on
+    the AMX tiles, the embedding's rows from its dense copy, batch invariance on."""
+    model = load_model(tiny_ggufs[Q.Q8_0], dtype="bfloat16", attention_backend="cpu", gguf_weights="both").model
+    assert model.attention_backend.batch_invariant == (model.config.head_dim % 64 == 0)
+    assert_same(model, step)
+
+
+@needs_amx_linears
+def test_served_greedy_tokens_equal_the_op_by_op_engines_in_bfloat16(tiny_ggufs):
+    """End to end at what auto picks on an AMX CPU; an engine turning cpu_amx off on the same model
+    gets the op-by-op path on oneDNN, not a decoder built over the tiles."""
+    prompts = [[258, 72, 101, 108], [259, 97, 98, 99, 100, 101, 102, 103, 104, 105, 106], [260, 7]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    loaded = load_model(tiny_ggufs[Q.Q4_1], dtype="bfloat16", attention_backend="cpu", gguf_weights="both")
+    outputs = {}
+    try:
+        for use_fused in (True, False):
+            llm = LLM(loaded, num_kv_blocks=64)
+            loaded.model.use_fused = use_fused
+            outputs[use_fused] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+            assert (loaded.model.fused_decoder() is not None) == use_fused
+            del llm
+        assert outputs[True] == outputs[False]
+        loaded.model.use_fused = True
+        llm = LLM(loaded, num_kv_blocks=64, cpu_amx=False)
+        assert loaded.model.fused_decoder() is None and "AMX" in loaded.model._fused[1]
+        llm.generate(prompts[:1], params)
+    finally:
+        kernels.use_native_kernels(True)
+        kernels.use_amx_kernels(True)

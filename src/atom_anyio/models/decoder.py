@@ -340,6 +340,7 @@ class LlamaForCausalLM(nn.Module):
                 meta.seq_lens,
                 meta.query_start_loc,
                 meta.block_size,
+                self.attention_backend.partition(meta),
             )
         x = self.tp.embed(self.model.embed_tokens, input_ids)
         residual = None

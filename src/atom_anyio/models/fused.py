@@ -6,9 +6,10 @@ path's bit for bit; what it saves is Python and the dispatcher between them
 cores).
 
 ``build(model)`` returns the decoder when every part of the model runs on
-those kernels (the ``cpu`` attention backend; float32 activations; every
-linear layer float32 or GGUF blocks; a dense MLP; one rank), else None with
-the reason. The decoder holds the model's own weight tensors, not copies.
+those kernels (the ``cpu`` attention backend; a dense MLP; one rank; float32
+activations with every linear float32 or GGUF blocks, or bfloat16 with every
+linear on the AMX GEMM, as ``CpuOps`` runs it at any row count), else None
+with the reason. The decoder holds the model's own weight tensors, not copies.
 """
 
 from __future__ import annotations
@@ -34,8 +35,11 @@ def build(model: nn.Module) -> tuple[torch.ScriptObject | None, str | None]:
         return None, "mixture-of-experts layers"
     if cfg.head_dim % 16 or cfg.hidden_size % 8 or cfg.intermediate_size % 8:
         return None, "head_dim, hidden_size or intermediate_size off the kernels' multiples"
-    if any(p.dtype != torch.float32 or p.device.type != "cpu" for p in model.parameters()):
-        return None, "weights other than float32 on the CPU"
+    if any(p.device.type != "cpu" for p in model.parameters()):
+        return None, "weights off the CPU"
+    bfloat16 = any(p.dtype != torch.float32 for p in model.parameters())
+    if bfloat16 and (why := _not_on_tiles(model)):
+        return None, f"weights other than float32 on the CPU, and bfloat16 {why}"
     if kernels.load_cpu_kernels() is not None:
         return None, "the CPU kernels are not built"
     decoder = torch.classes.atom.Decoder(
@@ -46,6 +50,8 @@ def build(model: nn.Module) -> tuple[torch.ScriptObject | None, str | None]:
         cfg.intermediate_size,
         cfg.rms_norm_eps,
     )
+    if bfloat16:
+        decoder.use_bfloat16()
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
         q_norm, k_norm = (attn.q_norm.weight, attn.k_norm.weight) if hasattr(attn, "q_norm") else (None, None)
@@ -59,13 +65,18 @@ def build(model: nn.Module) -> tuple[torch.ScriptObject | None, str | None]:
             cfg.window(i) or 0,
         )
         for slot, linear in enumerate((attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)):
+            if bfloat16:
+                decoder.set_amx_linear(slot, linear.amx_weight, linear.bias)
+                continue
             weight, qtype = _weight(linear.weight)
             if weight is None:
                 return None, f"layer {i}: a {qtype} weight"
             decoder.set_linear(slot, weight, qtype, linear.bias, slice_rows(linear.weight.shape[1]))
             if isinstance(linear.weight, QuantizedWeight) and linear.weight.dense is not None:
                 decoder.set_dense(slot, linear.weight.dense)  # past four rows its GEMM, as quant.cpu_linear
-    weight, qtype = _weight(model.model.embed_tokens.weight)
+    weight, qtype = (
+        _embedding(model.model.embed_tokens.weight) if bfloat16 else _weight(model.model.embed_tokens.weight)
+    )
     if weight is None:
         return None, f"a {qtype} embedding"
     decoder.set_embedding(weight, qtype)
@@ -81,4 +92,29 @@ def _weight(w: torch.Tensor | QuantizedWeight) -> tuple[torch.Tensor | None, int
         return w.data, w.qtype.value
     if w.dtype != torch.float32 or not w.is_contiguous() or w.shape[-1] % 8:
         return None, f"{w.dtype} (or non-contiguous, or width not a multiple of 8)"
+    return w.detach(), FLOAT
+
+
+def _not_on_tiles(model: nn.Module) -> str | None:
+    """Why a bfloat16 model's decoder layers do not all run on the AMX GEMM, or None."""
+    if not kernels.has_amx_linears():
+        return "without the AMX GEMM here"
+    for i, layer in enumerate(model.model.layers):
+        norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, model.model.norm.weight]
+        if any(w.dtype != torch.bfloat16 for w in norms):
+            return f"mixed with other dtypes (layer {i})"
+        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            if getattr(linear, "amx_weight", None) is None:
+                return f"off the AMX tiles (layer {i}: oneDNN or quantized tiles)"
+    return None
+
+
+def _embedding(w: torch.Tensor | QuantizedWeight) -> tuple[torch.Tensor | None, int | str]:
+    """A bfloat16 embedding's rows as decoder.cpp copies them: the table, or a GGUF table's dense copy."""
+    if isinstance(w, QuantizedWeight):
+        w = w.dense
+        if w is None:
+            return None, "quantized embedding without a dense copy (bfloat16)"
+    if w.dtype != torch.bfloat16 or not w.is_contiguous():
+        return None, f"{w.dtype} (or non-contiguous) embedding beside bfloat16 layers"
     return w.detach(), FLOAT

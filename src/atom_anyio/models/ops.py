@@ -316,6 +316,8 @@ def pack_bf16_linears(model: torch.nn.Module, amx: bool | None = None) -> int:
         num_bytes += dense.nbytes
         if quantized and w.dense is not None and id(w) not in looked_up:
             m.weight = replace(w, dense=None)
+    if hasattr(model, "_fused"):  # a fused decoder built over the other layout: built again at the next step
+        model._fused = None
     return num_bytes
 
 

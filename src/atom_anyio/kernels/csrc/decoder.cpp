@@ -12,9 +12,13 @@
 //   x = (silu(x Wgate^T) * x Wup^T) Wdown^T
 //   end: x = add_rms_norm(x, residual) with the final norm
 //
-// Every linear is float32 (gemv up to 4 rows, torch's linear beyond) or GGUF
-// blocks (qgemv up to 4 rows, dequantized slices and GEMMs beyond);
-// activations float32.
+// float32: every linear float32 (gemv up to 4 rows, torch's linear beyond) or
+// GGUF blocks (qgemv up to 4 rows, dequantized slices and GEMMs beyond).
+// bfloat16 (`use_bfloat16`): every linear on the AMX GEMM at any row count
+// (gemm.cpp, the weights packed as B tiles), activations, norms, embedding and
+// caches bfloat16, as CpuOps runs such a model op by op. The attention's
+// `partition` (batch invariance) comes with each step, as the op-by-op backend
+// passes it.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/add.h>
@@ -26,6 +30,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -45,10 +50,16 @@ struct Linear {
   int64_t N = 0, K = 0;
   int64_t slice_rows = 0;  // quantized, past MAX_GEMV_ROWS: rows dequantized per GEMM (quant.slice_rows)
   at::Tensor dense;        // quantized: its float32 copy where the model keeps one (past MAX_GEMV_ROWS, one GEMM)
+  at::Tensor amx;          // bfloat16: the weight as the AMX GEMM's B tiles (ops.pack_amx_weight), any row count
 
   // x [M, K] contiguous -> x W^T (+ b) [M, N], as CpuOps.linear computes it for M rows
   at::Tensor run(const at::Tensor& x) const {
     const int64_t M = x.size(0);
+    if (amx.defined()) {
+      at::Tensor out = at::empty({M, N}, x.options());
+      atom::amx_linear_bf16(out, x, amx, bias.defined() ? c10::optional<at::Tensor>(bias) : c10::nullopt);
+      return out;
+    }
     const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
     if (M <= MAX_GEMV_ROWS) {
       at::Tensor out = at::empty({M, N}, x.options());
@@ -83,10 +94,12 @@ struct Layer {
   Linear qkv, o, gate_up, down;
 };
 
-void check_float(const at::Tensor& t, int64_t numel, const char* name) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.device().is_cpu() && t.numel() == numel,
-              "Decoder: ", name, " must be a contiguous float32 CPU tensor of ", numel, " values");
+void check_param(const at::Tensor& t, at::ScalarType dtype, int64_t numel, const char* name) {
+  TORCH_CHECK(t.scalar_type() == dtype && t.is_contiguous() && t.device().is_cpu() && t.numel() == numel,
+              "Decoder: ", name, " must be a contiguous ", dtype, " CPU tensor of ", numel, " values");
 }
+
+void check_float(const at::Tensor& t, int64_t numel, const char* name) { check_param(t, at::kFloat, numel, name); }
 
 class Decoder : public torch::CustomClassHolder {
  public:
@@ -99,10 +112,10 @@ class Decoder : public torch::CustomClassHolder {
   void add_layer(const at::Tensor& input_norm, const at::Tensor& post_norm, const c10::optional<at::Tensor>& q_norm,
                  const c10::optional<at::Tensor>& k_norm, const c10::optional<at::Tensor>& sinks, int64_t window) {
     Layer layer;
-    check_float(input_norm, hidden_, "input_norm"), check_float(post_norm, hidden_, "post_norm");
+    check_param(input_norm, dtype_, hidden_, "input_norm"), check_param(post_norm, dtype_, hidden_, "post_norm");
     layer.input_norm = input_norm, layer.post_norm = post_norm;
-    if (q_norm.has_value()) check_float(*q_norm, D_, "q_norm"), layer.q_norm = *q_norm;
-    if (k_norm.has_value()) check_float(*k_norm, D_, "k_norm"), layer.k_norm = *k_norm;
+    if (q_norm.has_value()) check_param(*q_norm, dtype_, D_, "q_norm"), layer.q_norm = *q_norm;
+    if (k_norm.has_value()) check_param(*k_norm, dtype_, D_, "k_norm"), layer.k_norm = *k_norm;
     TORCH_CHECK(layer.q_norm.defined() == layer.k_norm.defined(), "Decoder: q_norm and k_norm come together");
     if (sinks.has_value()) check_float(*sinks, H_, "sinks"), layer.sinks = *sinks;
     TORCH_CHECK(window >= 0, "Decoder: window must be >= 0");
@@ -113,13 +126,8 @@ class Decoder : public torch::CustomClassHolder {
   // slot 0 qkv, 1 o, 2 gate_up, 3 down of the last layer added; slice_rows: see Linear
   void set_linear(int64_t slot, const at::Tensor& weight, int64_t qtype, const c10::optional<at::Tensor>& bias,
                   int64_t slice_rows) {
-    TORCH_CHECK(!layers_.empty() && slot >= 0 && slot < 4, "Decoder: set_linear before add_layer, or a bad slot");
-    Layer& layer = layers_.back();
-    const int64_t qkv_width = (H_ + 2 * KVH_) * D_;
-    const int64_t shapes[4][2] = {{qkv_width, hidden_}, {hidden_, H_ * D_}, {2 * I_, hidden_}, {hidden_, I_}};
-    Linear* linear[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
-    Linear& lin = *linear[slot];
-    lin.N = shapes[slot][0], lin.K = shapes[slot][1];
+    TORCH_CHECK(dtype_ == at::kFloat, "Decoder: set_linear takes float32 or GGUF weights (bfloat16: set_amx_linear)");
+    Linear& lin = slot_linear(slot, "set_linear");
     TORCH_CHECK(weight.is_contiguous() && weight.device().is_cpu() && weight.dim() == 2 && weight.size(0) == lin.N,
                 "Decoder: linear ", slot, " must be a contiguous CPU [", lin.N, ", ...] tensor");
     const bool fits = qtype == FLOAT ? weight.scalar_type() == at::kFloat && weight.size(1) == lin.K
@@ -129,6 +137,24 @@ class Decoder : public torch::CustomClassHolder {
     TORCH_CHECK(qtype == FLOAT || slice_rows > 0, "Decoder: a quantized linear needs slice_rows > 0");
     lin.weight = weight, lin.qtype = qtype, lin.slice_rows = slice_rows;
     if (bias.has_value()) check_float(*bias, lin.N, "bias"), lin.bias = *bias;
+  }
+
+  // bfloat16 activations, norms, embedding and caches, every linear on the AMX tiles (set_amx_linear);
+  // before any layer is added
+  void use_bfloat16() {
+    TORCH_CHECK(layers_.empty() && !embedding_.defined() && !norm_.defined(), "Decoder: use_bfloat16 comes first");
+    dtype_ = at::kBFloat16;
+  }
+
+  // slot's weight (last layer added) as the AMX GEMM's B tiles [ceil(N/16)][K/32][16][32], bias bfloat16
+  void set_amx_linear(int64_t slot, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+    TORCH_CHECK(dtype_ == at::kBFloat16, "Decoder: AMX linears run in bfloat16 (use_bfloat16)");
+    Linear& lin = slot_linear(slot, "set_amx_linear");
+    TORCH_CHECK(packed.is_contiguous() && packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 &&
+                    packed.size(0) == (lin.N + 15) / 16 && packed.size(1) * 32 == lin.K,
+                "Decoder: linear ", slot, " must be packed as B tiles for [", lin.N, ", ", lin.K, "]");
+    lin.amx = packed;
+    if (bias.has_value()) check_param(*bias, dtype_, lin.N, "bias"), lin.bias = *bias;
   }
 
   // the float32 copy of slot's quantized weight (last layer added), as quant.cpu_linear runs it past four rows
@@ -144,21 +170,21 @@ class Decoder : public torch::CustomClassHolder {
 
   void set_embedding(const at::Tensor& weight, int64_t qtype) {
     TORCH_CHECK(weight.is_contiguous() && weight.dim() == 2, "Decoder: the embedding must be contiguous 2-D");
-    const bool fits = qtype == FLOAT ? weight.scalar_type() == at::kFloat && weight.size(1) == hidden_
-                                     : weight.scalar_type() == at::kByte &&
+    const bool fits = qtype == FLOAT ? weight.scalar_type() == dtype_ && weight.size(1) == hidden_
+                                     : dtype_ == at::kFloat && weight.scalar_type() == at::kByte &&
                                            weight.size(1) == atom::quant_row_bytes(qtype, hidden_);
     TORCH_CHECK(fits, "Decoder: the embedding of type ", qtype, " does not match hidden_size ", hidden_);
     embedding_ = weight, embedding_qtype_ = qtype;
   }
 
-  void set_norm(const at::Tensor& weight) { check_float(weight, hidden_, "norm"), norm_ = weight; }
+  void set_norm(const at::Tensor& weight) { check_param(weight, dtype_, hidden_, "norm"), norm_ = weight; }
 
   // hidden states [T, hidden] of the step's tokens, after the final norm; the step's keys and values are
-  // written to each layer's cache first
+  // written to each layer's cache first. partition: the attention's (0, or the batch-invariant split)
   at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& cos, const at::Tensor& sin,
                      const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
                      const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                     const at::Tensor& query_start, int64_t block_size) {
+                     const at::Tensor& query_start, int64_t block_size, int64_t partition) {
     const int64_t T = input_ids.size(0), L = layers_.size();
     TORCH_CHECK(T >= 1, "Decoder: an empty step");
     TORCH_CHECK(norm_.defined() && embedding_.defined() && L > 0, "Decoder: not fully built");
@@ -169,73 +195,128 @@ class Decoder : public torch::CustomClassHolder {
     TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
                     sin.is_contiguous() && cos.numel() == T * D_ / 2 && sin.numel() == T * D_ / 2,
                 "Decoder: cos and sin must be contiguous float32 [T, head_dim / 2]");
-    const int64_t W = (H_ + 2 * KVH_) * D_, kv_row = KVH_ * D_;
     const int64_t* slots = slot_mapping.data_ptr<int64_t>();
     for (int64_t t = 0; t < T; ++t)
       TORCH_CHECK(slots[t] >= 0 && slots[t] < k_caches[0].size(0), "Decoder: slot ", slots[t], " is out of the cache");
-    const auto f32 = at::TensorOptions().dtype(at::kFloat);
-    at::Tensor residual = at::empty({T, hidden_}, f32);
-    embed(input_ids.data_ptr<int64_t>(), T, residual.data_ptr<float>());
-    float* r = residual.data_ptr<float>();
-    at::Tensor x = at::empty({T, hidden_}, f32);  // the normalised rows into each layer, then its output
-    at::Tensor q = at::empty({T, H_, D_}, f32), attn = at::empty({T, H_, D_}, f32);
-    const double scale = 1.0 / std::sqrt(double(D_));
-    for (int64_t l = 0; l < L; ++l) {
-      const Layer& layer = layers_[l];
-      if (l == 0)
-        atom::rms_norm_f32(x.data_ptr<float>(), r, layer.input_norm.data_ptr<float>(), T, hidden_, eps_);
-      else
-        atom::add_rms_norm_f32(x.data_ptr<float>(), r, layer.input_norm.data_ptr<float>(), T, hidden_, eps_);
-      const at::Tensor qkv = layer.qkv.run(x);
-      float* qkvp = qkv.data_ptr<float>();
-      if (layer.q_norm.defined()) {  // per head, in place
-        for (int64_t t = 0; t < T; ++t) {
-          float* row = qkvp + t * W;
-          atom::rms_norm_f32(row, row, layer.q_norm.data_ptr<float>(), H_, D_, eps_);
-          atom::rms_norm_f32(row + H_ * D_, row + H_ * D_, layer.k_norm.data_ptr<float>(), KVH_, D_, eps_);
-        }
-      }
-      atom::rotary_f32(qkvp, W, H_, qkvp + H_ * D_, W, KVH_, T, D_, cos.data_ptr<float>(), sin.data_ptr<float>());
-      const at::Tensor &k_cache = k_caches[l], &v_cache = v_caches[l];
-      float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>(), *qp = q.data_ptr<float>();
-      at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
-        for (int64_t t = begin; t < end; ++t) {
-          const float* row = qkvp + t * W;
-          std::memcpy(qp + t * H_ * D_, row, H_ * D_ * sizeof(float));
-          std::memcpy(kc + slots[t] * kv_row, row + H_ * D_, kv_row * sizeof(float));
-          std::memcpy(vc + slots[t] * kv_row, row + (H_ + KVH_) * D_, kv_row * sizeof(float));
-        }
-      });
-      paged_attention(attn, q, k_cache, v_cache, block_tables, seq_lens, query_start, block_size, scale, layer.window,
-                      layer.sinks.defined() ? c10::optional<at::Tensor>(layer.sinks) : c10::nullopt);
-      x = layer.o.run(attn.view({T, H_ * D_}));
-      atom::add_rms_norm_f32(x.data_ptr<float>(), r, layer.post_norm.data_ptr<float>(), T, hidden_, eps_);
-      const at::Tensor gate_up = layer.gate_up.run(x);
-      at::Tensor act = at::empty({T, I_}, f32);
-      atom::silu_and_mul_f32(act.data_ptr<float>(), gate_up.data_ptr<float>(), T, I_);
-      x = layer.down.run(act);
-    }
-    atom::add_rms_norm_f32(x.data_ptr<float>(), r, norm_.data_ptr<float>(), T, hidden_, eps_);
-    return x;
+    if (dtype_ == at::kBFloat16)
+      return run<c10::BFloat16>(input_ids, cos, sin, k_caches, v_caches, slots, block_tables, seq_lens, query_start,
+                                block_size, partition);
+    return run<float>(input_ids, cos, sin, k_caches, v_caches, slots, block_tables, seq_lens, query_start, block_size,
+                      partition);
   }
 
  private:
+  // slot 0 qkv, 1 o, 2 gate_up, 3 down of the last layer added, its N and K set from the shape
+  Linear& slot_linear(int64_t slot, const char* caller) {
+    TORCH_CHECK(!layers_.empty() && slot >= 0 && slot < 4, "Decoder: ", caller, " before add_layer, or a bad slot");
+    Layer& layer = layers_.back();
+    const int64_t qkv_width = (H_ + 2 * KVH_) * D_;
+    const int64_t shapes[4][2] = {{qkv_width, hidden_}, {hidden_, H_ * D_}, {2 * I_, hidden_}, {hidden_, I_}};
+    Linear* linear[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
+    Linear& lin = *linear[slot];
+    lin.N = shapes[slot][0], lin.K = shapes[slot][1];
+    return lin;
+  }
+
+  template <typename S>  // the scalar type: float or c10::BFloat16
+  at::Tensor run(const at::Tensor& input_ids, const at::Tensor& cos, const at::Tensor& sin,
+                 const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches, const int64_t* slots,
+                 const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start,
+                 int64_t block_size, int64_t partition) {
+    const int64_t T = input_ids.size(0), L = layers_.size();
+    const int64_t W = (H_ + 2 * KVH_) * D_, kv_row = KVH_ * D_;
+    const auto opts = at::TensorOptions().dtype(dtype_);
+    at::Tensor residual = at::empty({T, hidden_}, opts);
+    embed(input_ids.data_ptr<int64_t>(), T, residual.data_ptr<S>());
+    S* r = residual.data_ptr<S>();
+    at::Tensor x = at::empty({T, hidden_}, opts);  // the normalised rows into each layer, then its output
+    at::Tensor q = at::empty({T, H_, D_}, opts), attn = at::empty({T, H_, D_}, opts);
+    const double scale = 1.0 / std::sqrt(double(D_));
+    const float *c = cos.data_ptr<float>(), *sn = sin.data_ptr<float>();
+    for (int64_t l = 0; l < L; ++l) {
+      const Layer& layer = layers_[l];
+      if (l == 0)
+        rms_norm(x.data_ptr<S>(), r, layer.input_norm.data_ptr<S>(), T, hidden_, eps_);
+      else
+        add_rms_norm(x.data_ptr<S>(), r, layer.input_norm.data_ptr<S>(), T, hidden_, eps_);
+      const at::Tensor qkv = layer.qkv.run(x);
+      S* qkvp = qkv.data_ptr<S>();
+      if (layer.q_norm.defined()) {  // per head, in place
+        for (int64_t t = 0; t < T; ++t) {
+          S* row = qkvp + t * W;
+          rms_norm(row, row, layer.q_norm.data_ptr<S>(), H_, D_, eps_);
+          rms_norm(row + H_ * D_, row + H_ * D_, layer.k_norm.data_ptr<S>(), KVH_, D_, eps_);
+        }
+      }
+      rotary(qkvp, W, H_, qkvp + H_ * D_, W, KVH_, T, D_, c, sn);
+      const at::Tensor &k_cache = k_caches[l], &v_cache = v_caches[l];
+      S *kc = k_cache.data_ptr<S>(), *vc = v_cache.data_ptr<S>(), *qp = q.data_ptr<S>();
+      at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) {
+          const S* row = qkvp + t * W;
+          std::memcpy(qp + t * H_ * D_, row, H_ * D_ * sizeof(S));
+          std::memcpy(kc + slots[t] * kv_row, row + H_ * D_, kv_row * sizeof(S));
+          std::memcpy(vc + slots[t] * kv_row, row + (H_ + KVH_) * D_, kv_row * sizeof(S));
+        }
+      });
+      paged_attention(attn, q, k_cache, v_cache, block_tables, seq_lens, query_start, block_size, scale, layer.window,
+                      layer.sinks.defined() ? c10::optional<at::Tensor>(layer.sinks) : c10::nullopt, partition);
+      x = layer.o.run(attn.view({T, H_ * D_}));
+      add_rms_norm(x.data_ptr<S>(), r, layer.post_norm.data_ptr<S>(), T, hidden_, eps_);
+      const at::Tensor gate_up = layer.gate_up.run(x);
+      at::Tensor act = at::empty({T, I_}, opts);
+      silu_and_mul(act.data_ptr<S>(), gate_up.data_ptr<S>(), T, I_);
+      x = layer.down.run(act);
+    }
+    add_rms_norm(x.data_ptr<S>(), r, norm_.data_ptr<S>(), T, hidden_, eps_);
+    return x;
+  }
+
+  // the ops.cpp kernels by dtype
+  static void rms_norm(float* o, const float* x, const float* w, int64_t rows, int64_t n, float eps) {
+    atom::rms_norm_f32(o, x, w, rows, n, eps);
+  }
+  static void rms_norm(c10::BFloat16* o, const c10::BFloat16* x, const c10::BFloat16* w, int64_t rows, int64_t n,
+                       float eps) {
+    atom::rms_norm_bf16(o, x, w, rows, n, eps);
+  }
+  static void add_rms_norm(float* x, float* r, const float* w, int64_t rows, int64_t n, float eps) {
+    atom::add_rms_norm_f32(x, r, w, rows, n, eps);
+  }
+  static void add_rms_norm(c10::BFloat16* x, c10::BFloat16* r, const c10::BFloat16* w, int64_t rows, int64_t n,
+                           float eps) {
+    atom::add_rms_norm_bf16(x, r, w, rows, n, eps);
+  }
+  static void silu_and_mul(float* o, const float* x, int64_t rows, int64_t n) { atom::silu_and_mul_f32(o, x, rows, n); }
+  static void silu_and_mul(c10::BFloat16* o, const c10::BFloat16* x, int64_t rows, int64_t n) {
+    atom::silu_and_mul_bf16(o, x, rows, n);
+  }
+  static void rotary(float* q, int64_t qs, int64_t qh, float* k, int64_t ks, int64_t kh, int64_t t, int64_t D,
+                     const float* c, const float* s) {
+    atom::rotary_f32(q, qs, qh, k, ks, kh, t, D, c, s);
+  }
+  static void rotary(c10::BFloat16* q, int64_t qs, int64_t qh, c10::BFloat16* k, int64_t ks, int64_t kh, int64_t t,
+                     int64_t D, const float* c, const float* s) {
+    atom::rotary_bf16(q, qs, qh, k, ks, kh, t, D, c, s);
+  }
+
   void check_caches(const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches) const {
     TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(), "Decoder: one cache per layer");
     for (const auto* caches : {&k_caches, &v_caches})
       for (const at::Tensor& c : *caches)
-        TORCH_CHECK(c.scalar_type() == at::kFloat && c.is_contiguous() && c.dim() == 3 && c.size(1) == KVH_ &&
+        TORCH_CHECK(c.scalar_type() == dtype_ && c.is_contiguous() && c.dim() == 3 && c.size(1) == KVH_ &&
                         c.size(2) == D_ && c.size(0) == k_caches[0].size(0),
-                    "Decoder: caches must be contiguous float32 [slots, kv_heads, head_dim]");
+                    "Decoder: caches must be contiguous ", dtype_, " [slots, kv_heads, head_dim]");
   }
 
-  void embed(const int64_t* ids, int64_t T, float* out) const {
+  template <typename S>
+  void embed(const int64_t* ids, int64_t T, S* out) const {
     const int64_t vocab = embedding_.size(0);
     for (int64_t t = 0; t < T; ++t) {
       TORCH_CHECK(ids[t] >= 0 && ids[t] < vocab, "Decoder: token id ", ids[t], " is out of the vocabulary");
       if (embedding_qtype_ == FLOAT)
-        std::memcpy(out + t * hidden_, embedding_.data_ptr<float>() + ids[t] * hidden_, hidden_ * sizeof(float));
-      else
+        std::memcpy(out + t * hidden_, embedding_.data_ptr<S>() + ids[t] * hidden_, hidden_ * sizeof(S));
+      else if constexpr (std::is_same_v<S, float>)
         atom::dequantize_f32(out + t * hidden_, embedding_.data_ptr<uint8_t>() + ids[t] * embedding_.size(1), 1,
                              hidden_, embedding_qtype_);
     }
@@ -243,6 +324,7 @@ class Decoder : public torch::CustomClassHolder {
 
   int64_t hidden_, H_, KVH_, D_, I_;
   float eps_;
+  at::ScalarType dtype_ = at::kFloat;
   std::vector<Layer> layers_;
   at::Tensor embedding_, norm_;
   int64_t embedding_qtype_ = FLOAT;
@@ -256,6 +338,8 @@ TORCH_LIBRARY_FRAGMENT(atom, m) {
       .def("add_layer", &Decoder::add_layer)
       .def("set_linear", &Decoder::set_linear)
       .def("set_dense", &Decoder::set_dense)
+      .def("use_bfloat16", &Decoder::use_bfloat16)
+      .def("set_amx_linear", &Decoder::set_amx_linear)
       .def("set_embedding", &Decoder::set_embedding)
       .def("set_norm", &Decoder::set_norm)
       .def("forward", &Decoder::forward);

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "amx.h"
+#include "kernels.h"
 
 namespace {
 
@@ -322,6 +323,13 @@ void amx_qlinear(at::Tensor& out, const at::Tensor& x, const at::Tensor& wq, int
 }
 
 }  // namespace
+
+namespace atom {
+void amx_linear_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
+                     const c10::optional<at::Tensor>& bias) {
+  amx_linear(out, x, packed, bias);
+}
+}  // namespace atom
 
 TORCH_LIBRARY_FRAGMENT(atom, m) {
   m.def("amx_linear(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");

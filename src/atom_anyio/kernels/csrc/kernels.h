@@ -4,6 +4,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
 
 #include <cstdint>
 
@@ -18,6 +19,14 @@ void add_rms_norm_f32(float* x, float* residual, const float* w, int64_t rows, i
 void silu_and_mul_f32(float* out, const float* x, int64_t rows, int64_t n);
 void rotary_f32(float* q, int64_t q_stride, int64_t q_heads, float* k, int64_t k_stride, int64_t k_heads,
                 int64_t tokens, int64_t D, const float* cos, const float* sin);
+// the same four over bfloat16 rows (the torch ops' bfloat16 instances)
+void rms_norm_bf16(c10::BFloat16* out, const c10::BFloat16* x, const c10::BFloat16* w, int64_t rows, int64_t n,
+                   float eps);
+void add_rms_norm_bf16(c10::BFloat16* x, c10::BFloat16* residual, const c10::BFloat16* w, int64_t rows, int64_t n,
+                       float eps);
+void silu_and_mul_bf16(c10::BFloat16* out, const c10::BFloat16* x, int64_t rows, int64_t n);
+void rotary_bf16(c10::BFloat16* q, int64_t q_stride, int64_t q_heads, c10::BFloat16* k, int64_t k_stride,
+                 int64_t k_heads, int64_t tokens, int64_t D, const float* cos, const float* sin);
 // out [M, N] = x [M, K] W^T (+ bias), M in 1..4, W float32 [N, K]
 void gemv_f32(float* out, const float* x, int64_t M, int64_t K, const float* w, int64_t N, const float* bias);
 
@@ -26,6 +35,10 @@ int64_t quant_row_bytes(int64_t type, int64_t K);
 void qgemv_f32(float* out, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int64_t type,
                const float* bias);
 void dequantize_f32(float* out, const uint8_t* w, int64_t rows, int64_t K, int64_t type);  // rows of W, as the op
+
+// gemm.cpp: the atom::amx_linear op (bfloat16 x [M, K], W packed as B tiles by ops.pack_amx_weight)
+void amx_linear_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
+                     const c10::optional<at::Tensor>& bias);
 
 }  // namespace atom
 

@@ -370,6 +370,25 @@ void rotary_f32(float* q, int64_t q_stride, int64_t q_heads, float* k, int64_t k
   rotary_rows(q, q_stride, q_heads, k, k_stride, k_heads, tokens, D, cos, sin);
 }
 
+void rms_norm_bf16(c10::BFloat16* out, const c10::BFloat16* x, const c10::BFloat16* w, int64_t rows, int64_t n,
+                   float eps) {
+  rms_norm_rows(out, x, w, rows, n, eps);
+}
+
+void add_rms_norm_bf16(c10::BFloat16* x, c10::BFloat16* residual, const c10::BFloat16* w, int64_t rows, int64_t n,
+                       float eps) {
+  add_rms_norm_rows(x, residual, w, rows, n, eps);
+}
+
+void silu_and_mul_bf16(c10::BFloat16* out, const c10::BFloat16* x, int64_t rows, int64_t n) {
+  silu_and_mul_rows(out, x, rows, n);
+}
+
+void rotary_bf16(c10::BFloat16* q, int64_t q_stride, int64_t q_heads, c10::BFloat16* k, int64_t k_stride,
+                 int64_t k_heads, int64_t tokens, int64_t D, const float* cos, const float* sin) {
+  rotary_rows(q, q_stride, q_heads, k, k_stride, k_heads, tokens, D, cos, sin);
+}
+
 void gemv_f32(float* out, const float* x, int64_t M, int64_t K, const float* w, int64_t N, const float* bias) {
   switch (M) {
     case 1: return gemv_rows<1>(out, x, K, w, N, bias);

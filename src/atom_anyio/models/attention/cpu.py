@@ -49,6 +49,10 @@ class CpuPagedAttention:
         self.paged_prefill = enabled or self._own_paged_prefill
         self.name = "cpu_paged" if self.paged_prefill else "cpu"
 
+    def partition(self, meta: AttentionMetadata) -> int:
+        """The kernel's key partition: fixed multiples when batch-invariant, else 0 (its own split)."""
+        return math.lcm(INVARIANT_PARTITION, meta.block_size) if self.batch_invariant else 0
+
     def runs_in_kernel(self, meta: AttentionMetadata) -> bool:
         """Whether the kernel runs the whole step (what the fused decoder, which has only the kernel, can match)."""
         if self.paged_prefill or meta.num_decode == meta.num_seqs:
@@ -81,7 +85,7 @@ class CpuPagedAttention:
                 1.0 / math.sqrt(q.shape[-1]),
                 sliding_window or 0,
                 None if sinks is None else sinks.float().contiguous(),
-                math.lcm(INVARIANT_PARTITION, meta.block_size) if self.batch_invariant else 0,
+                self.partition(meta),
             )
         if in_kernel < meta.num_seqs:
             for chunk in meta.prefill_chunks():
