@@ -99,10 +99,9 @@ def _not_on_tiles(model: nn.Module) -> str | None:
     """Why a bfloat16 model's decoder layers do not all run on the AMX GEMM, or None."""
     if not kernels.has_amx_linears():
         return "without the AMX GEMM here"
+    if any(p.dtype != torch.bfloat16 for p in model.parameters()):
+        return "mixed with other dtypes"
     for i, layer in enumerate(model.model.layers):
-        norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, model.model.norm.weight]
-        if any(w.dtype != torch.bfloat16 for w in norms):
-            return f"mixed with other dtypes (layer {i})"
         for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             if getattr(linear, "amx_weight", None) is None:
                 return f"off the AMX tiles (layer {i}: oneDNN or quantized tiles)"
