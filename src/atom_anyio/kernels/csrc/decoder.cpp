@@ -30,9 +30,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <type_traits>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "kernels.h"
