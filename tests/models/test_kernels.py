@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import platform
+import shutil
 import subprocess
 import sys
+import sysconfig
 import time
 
 import gguf
@@ -14,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_quant import random_quantized
+from torch.utils import cpp_extension
 
 from atom_anyio import LLM, SamplingParams, kernels
 from atom_anyio.config import Config
@@ -548,6 +552,39 @@ def test_store_kv_writes_what_index_copy_writes(dtype):
     with pytest.raises(RuntimeError, match=f"slot {slots} is out of the cache"):
         torch.ops.atom.store_kv(caches[0], caches[1], k[:2], v[:2], torch.tensor([0, slots]))
     assert all(torch.equal(c, b) for c, b in zip(caches, before, strict=True))
+
+
+# Other CPU kinds' builds, by -march: what auto builds on a Zen 3 (AVX2 only) and on a Zen 4/5
+# (AVX512-BF16, no AMX); the host's own build (-march=native) is the one loaded above
+OTHER_CPU_KINDS = {"x86-64-v3": "AVX2, no AVX512 (Zen 3)", "cooperlake": "AVX512-BF16, no AMX (Zen 4/5)"}
+
+
+@pytest.mark.skipif(
+    platform.machine() not in ("x86_64", "AMD64") or shutil.which("c++") is None, reason="an x86-64 C++ compiler"
+)
+def test_the_kernels_compile_for_the_other_cpu_kinds():
+    """Every source compiles with the flags each other CPU kind's build gets (a #ifdef'd variant's
+    names used outside their #ifdef had broken the build on every CPU without AMX while the
+    suite passed on one with it). Syntax only, every source and kind at once."""
+    includes = [f"-I{path}" for path in cpp_extension.include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
+    flags = [f for f in kernels.FLAGS if f not in ("-O3", "-march=native")] + ["-std=c++20", "-fsyntax-only"]
+    runs = {
+        (arch, source.name): subprocess.Popen(
+            ["c++", *flags, f"-march={arch}", *includes, str(source)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for arch in OTHER_CPU_KINDS
+        for source in kernels.SOURCES
+        if "vec.h" in source.read_text() or "amx.h" in source.read_text()  # the ones with ISA branches
+    }
+    assert {name for _, name in runs} == {"paged_attention.cpp", "ops.cpp", "quant.cpp", "gemm.cpp"}
+    failed = {key: run.communicate()[1] for key, run in runs.items()}
+    failed = {key: err for key, err in failed.items() if runs[key].returncode != 0}
+    assert not failed, "\n".join(
+        f"{arch} ({OTHER_CPU_KINDS[arch]}) {name}:\n{err[:2000]}" for (arch, name), err in failed.items()
+    )
 
 
 AMX_LINEAR = "linear_amx_bf16"

@@ -394,6 +394,11 @@ inline void bf16_rows_dispatch(int rows, const uint32_t* q, int P, const uint32_
 }
 #endif
 
+// The AMX variant's shapes, outside its #ifdef: the units are cut by them on every CPU (a build
+// without AMX-BF16 never takes that branch, but must compile it)
+constexpr int AMX_CHUNKS = 8;  // chunks of 16 keys per softmax step
+constexpr int AMX_ROWS = 64;   // a prefill unit's rows per kv head: four blocks of 16 share each key read
+
 #ifdef ATOM_AMX_BF16
 // The AMX variant for a bfloat16 cache (decodes and prefill units): both products on the tile
 // unit, which does a 16 x 16 x 32 block in the time AVX-512 does a few hundred pair dot products
@@ -408,8 +413,6 @@ inline void bf16_rows_dispatch(int rows, const uint32_t* q, int P, const uint32_
 // Probabilities are rounded to bfloat16 before P.V, as in the AVX-512 variant; their sum is not.
 
 
-constexpr int AMX_CHUNKS = 8;  // chunks of 16 keys per softmax step
-constexpr int AMX_ROWS = 64;   // a prefill unit's rows per kv head: four blocks of 16 share each key read
 
 constexpr float LOG2E = 1.44269504088896341f;
 
@@ -837,7 +840,7 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
     std::vector<float> qs(max_rows * D), o(max_rows * D), kt(D * KW), vb(KW * D), m(max_rows), l(max_rows), acc(D);
     std::vector<float> unit_o, unit_ml;  // a unit's partials, when its task merges them
     std::vector<int> qpos(max_rows);
-    constexpr bool is_bf16 = std::is_same_v<T, c10::BFloat16>;
+    [[maybe_unused]] constexpr bool is_bf16 = std::is_same_v<T, c10::BFloat16>;
 #ifdef ATOM_AVX512_BF16
     const bool native = is_bf16 && g_native;
     std::vector<uint32_t> qpairs(native ? max_rows * D / 2 : 0), kpairs(native ? D / 2 * 16 : 0);
