@@ -159,10 +159,7 @@ class Decoder : public torch::CustomClassHolder {
 
   // the float32 copy of slot's quantized weight (last layer added), as quant.cpu_linear runs it past four rows
   void set_dense(int64_t slot, const at::Tensor& dense) {
-    TORCH_CHECK(!layers_.empty() && slot >= 0 && slot < 4, "Decoder: set_dense before add_layer, or a bad slot");
-    Layer& layer = layers_.back();
-    Linear* linear[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
-    Linear& lin = *linear[slot];
+    Linear& lin = slot_linear(slot, "set_dense");
     TORCH_CHECK(lin.qtype != FLOAT, "Decoder: set_dense on a float32 linear");
     check_float(dense, lin.N * lin.K, "dense");
     lin.dense = dense;
