@@ -18,7 +18,8 @@ from atom_anyio.models.attention import AttentionMetadata, CpuPagedAttention, To
 from atom_anyio.models.decoder import FULL, SLIDING, LlamaForCausalLM, ModelConfig
 from atom_anyio.models.loader import load_model
 from atom_anyio.models.moe import MoeConfig
-from atom_anyio.models.ops import pack_bf16_linears
+from atom_anyio.models.ops import can_pack_bf16, pack_bf16_linears, use_amx_linears
+from atom_anyio.models.quant import QuantizedWeight
 
 Q = gguf.GGMLQuantizationType
 BLOCK = 4
@@ -141,6 +142,23 @@ def test_fused_step_equals_the_op_by_op_path_in_bfloat16_on_the_amx_tiles(varian
     assert_same(model, step)
 
 
+needs_onednn_bf16 = pytest.mark.skipif(
+    not can_pack_bf16(), reason="oneDNN's bfloat16 GEMM: no AVX512-BF16 or AMX on this CPU"
+)
+
+
+@needs_onednn_bf16
+@pytest.mark.parametrize("step", list(STEPS))
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_fused_step_equals_the_op_by_op_path_in_bfloat16_on_onednn(variant, step):
+    """What auto picks on a CPU with AVX512-BF16 and no AMX (Zen 4, Zen 5), and cpu_amx=false on
+    one with AMX: bfloat16, every linear on oneDNN's packed weight at any row count."""
+    model = random_model(**VARIANTS[variant]).to(torch.bfloat16)
+    pack_bf16_linears(model, amx=False)
+    assert model.model.layers[0].mlp.down_proj.packed_weight is not None
+    assert_same(model, step)
+
+
 @pytest.fixture(scope="module")
 def tiny_ggufs(tmp_path_factory):
     """One seeded tiny Llama as GGUFs of each type with a kernel."""
@@ -168,11 +186,8 @@ def test_models_the_fused_decoder_does_not_take_say_why_and_run_op_by_op():
     cases = {
         "attention backend 'torch'": random_model(backend=TorchPagedAttention()),
         "mixture-of-experts": random_model(moe=moe, architecture="Qwen3MoeForCausalLM"),
-        "weights other than float32": random_model().to(torch.bfloat16),  # linears off the AMX tiles
+        "not packed for oneDNN or the AMX GEMM": random_model().to(torch.bfloat16),  # torch's F.linear
     }
-    onednn = random_model().to(torch.bfloat16)
-    pack_bf16_linears(onednn, amx=False)  # cpu_amx=false on a CPU with AMX, or a CPU without
-    cases["oneDNN"] = onednn
     for reason, model in cases.items():
         decoder, why = fused.build(model)
         assert decoder is None and reason in why
@@ -201,6 +216,30 @@ def test_served_greedy_tokens_equal_the_op_by_op_engines(tiny_ggufs):
     assert outputs[True] == outputs[False]
 
 
+@needs_onednn_bf16
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_1, Q.Q4_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("step", ["one decode", "four decodes across block ends", "six decodes"])
+def test_fused_step_equals_the_op_by_op_path_for_a_gguf_at_the_defaults_on_onednn(tiny_ggufs, qtype, step):
+    """The default model's layout where auto picks bfloat16 without AMX (Zen 4, Zen 5; cpu_amx=false
+    forces it on AMX): 1-4 rows through the GEMV over the GGUF blocks, rounded back to bfloat16,
+    more through oneDNN's packed dense copy."""
+    model = load_model(tiny_ggufs[qtype], dtype="bfloat16", attention_backend="cpu", gguf_weights="both").model
+    use_amx_linears(model, False)
+    down = model.model.layers[0].mlp.down_proj
+    assert isinstance(down.weight, QuantizedWeight) and down.packed_weight is not None
+    assert_same(model, step)
+
+
+@needs_onednn_bf16
+def test_a_gguf_without_dense_copies_in_bfloat16_on_onednn_runs_op_by_op(tiny_ggufs):
+    """gguf_weights=packed without the AMX GEMM: the layers' batched rows take bfloat16 slices
+    dequantized each step, which the fused decoder does not run; it says so."""
+    model = load_model(tiny_ggufs[Q.Q4_1], dtype="bfloat16", attention_backend="cpu", gguf_weights="packed").model
+    use_amx_linears(model, False)
+    decoder, why = fused.build(model)
+    assert decoder is None and "not packed for oneDNN or the AMX GEMM (layer 0)" in why
+
+
 @needs_amx_linears
 @pytest.mark.parametrize("step", ["one decode", "six decodes", "decodes and a chunk over a cached prefix"])
 def test_fused_step_equals_the_op_by_op_path_for_a_gguf_at_the_defaults_on_amx(tiny_ggufs, step):
@@ -214,7 +253,8 @@ def test_fused_step_equals_the_op_by_op_path_for_a_gguf_at_the_defaults_on_amx(t
 @needs_amx_linears
 def test_served_greedy_tokens_equal_the_op_by_op_engines_in_bfloat16(tiny_ggufs):
     """End to end at what auto picks on an AMX CPU; an engine turning cpu_amx off on the same model
-    gets the op-by-op path on oneDNN, not a decoder built over the tiles."""
+    gets a decoder built over oneDNN's packed weights, not the one over the tiles, and its greedy
+    tokens are its own op-by-op path's."""
     prompts = [[258, 72, 101, 108], [259, 97, 98, 99, 100, 101, 102, 103, 104, 105, 106], [260, 7]]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     loaded = load_model(tiny_ggufs[Q.Q4_1], dtype="bfloat16", attention_backend="cpu", gguf_weights="both")
@@ -228,9 +268,17 @@ def test_served_greedy_tokens_equal_the_op_by_op_engines_in_bfloat16(tiny_ggufs)
             del llm
         assert outputs[True] == outputs[False]
         loaded.model.use_fused = True
-        llm = LLM(loaded, num_kv_blocks=64, cpu_amx=False)
-        assert loaded.model.fused_decoder() is None and "AMX" in loaded.model._fused[1]
-        llm.generate(prompts[:1], params)
+        on_tiles = loaded.model.fused_decoder()
+        onednn = {}
+        for use_fused in (True, False):
+            llm = LLM(loaded, num_kv_blocks=64, cpu_amx=False)
+            loaded.model.use_fused = use_fused
+            onednn[use_fused] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+            decoder = loaded.model.fused_decoder()
+            assert (decoder is not None) == use_fused and decoder is not on_tiles
+            del llm
+        assert onednn[True] == onednn[False]
+        assert loaded.model.model.layers[0].mlp.down_proj.packed_weight is not None
     finally:
         kernels.use_native_kernels(True)
         kernels.use_amx_kernels(True)

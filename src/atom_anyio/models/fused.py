@@ -8,8 +8,11 @@ cores).
 ``build(model)`` returns the decoder when every part of the model runs on
 those kernels (the ``cpu`` attention backend; a dense MLP; one rank; float32
 activations with every linear float32 or GGUF blocks, or bfloat16 with every
-linear on the AMX GEMM, as ``CpuOps`` runs it at any row count), else None
-with the reason. The decoder holds the model's own weight tensors, not copies.
+linear packed, as ``pack_bf16_linears`` leaves it: on the AMX GEMM at any row
+count, or oneDNN's packed weight, a GGUF layer's own blocks serving 1-4 rows),
+else None with the reason. The oneDNN form is what a CPU with AVX512-BF16 and
+no AMX (Zen 4, Zen 5) runs, and ``cpu_amx=false`` forces it on one with AMX.
+The decoder holds the model's own weight tensors, not copies.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ def build(model: nn.Module) -> tuple[torch.ScriptObject | None, str | None]:
     if any(p.device.type != "cpu" for p in model.parameters()):
         return None, "weights off the CPU"
     bfloat16 = any(p.dtype != torch.float32 for p in model.parameters())
-    if bfloat16 and (why := _not_on_tiles(model)):
+    if bfloat16 and (why := _not_packed(model)):
         return None, f"weights other than float32 on the CPU, and bfloat16 {why}"
     if kernels.load_cpu_kernels() is not None:
         return None, "the CPU kernels are not built"
@@ -65,8 +68,13 @@ def build(model: nn.Module) -> tuple[torch.ScriptObject | None, str | None]:
             cfg.window(i) or 0,
         )
         for slot, linear in enumerate((attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)):
-            if bfloat16:
+            if bfloat16 and getattr(linear, "amx_weight", None) is not None:
                 decoder.set_amx_linear(slot, linear.amx_weight, linear.bias)
+                continue
+            if bfloat16:
+                w = linear.weight
+                blocks, qtype = (w.data, w.qtype.value) if isinstance(w, QuantizedWeight) else (None, FLOAT)
+                decoder.set_onednn_linear(slot, linear.packed_weight, linear.bias, blocks, qtype)
                 continue
             weight, qtype = _weight(linear.weight)
             if weight is None:
@@ -95,16 +103,18 @@ def _weight(w: torch.Tensor | QuantizedWeight) -> tuple[torch.Tensor | None, int
     return w.detach(), FLOAT
 
 
-def _not_on_tiles(model: nn.Module) -> str | None:
-    """Why a bfloat16 model's decoder layers do not all run on the AMX GEMM, or None."""
-    if not kernels.has_amx_linears():
-        return "without the AMX GEMM here"
+def _not_packed(model: nn.Module) -> str | None:
+    """Why a bfloat16 model's decoder layers are not all packed for a GEMM the decoder runs, or None."""
     if any(p.dtype != torch.bfloat16 for p in model.parameters()):
         return "mixed with other dtypes"
     for i, layer in enumerate(model.model.layers):
         for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            if getattr(linear, "amx_weight", None) is None:
-                return f"off the AMX tiles (layer {i}: oneDNN or quantized tiles)"
+            if getattr(linear, "amx_weight", None) is not None:
+                continue
+            if getattr(linear, "amx_qweight", None) is not None:
+                return f"on the AMX GEMM's quantized tiles (layer {i})"
+            if getattr(linear, "packed_weight", None) is None:
+                return f"not packed for oneDNN or the AMX GEMM (layer {i})"
     return None
 
 

@@ -14,13 +14,17 @@
 //
 // float32: every linear float32 (gemv up to 4 rows, torch's linear beyond) or
 // GGUF blocks (qgemv up to 4 rows, dequantized slices and GEMMs beyond).
-// bfloat16 (`use_bfloat16`): every linear on the AMX GEMM at any row count
-// (gemm.cpp, the weights packed as B tiles), activations, norms, embedding and
-// caches bfloat16, as CpuOps runs such a model op by op. The attention's
+// bfloat16 (`use_bfloat16`): activations, norms, embedding and caches bfloat16,
+// each linear as CpuOps runs it op by op: on the AMX GEMM at any row count
+// (gemm.cpp, the weights packed as B tiles), or on oneDNN's packed weight (a CPU
+// without AMX, or cpu_amx off), where a GGUF layer's 1-4 rows take the GEMV over
+// its blocks in float32 arithmetic, rounded back (quant.cpu_linear). The attention's
 // `partition` (batch invariance) comes with each step, as the op-by-op backend
 // passes it.
 
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
@@ -43,6 +47,16 @@ constexpr int64_t FLOAT = -1;  // a linear's type when its weight is float32
 
 constexpr int64_t MAX_GEMV_ROWS = 4;  // up to here the GEMV kernels; a GEMM beyond (models/ops.py, quant.py)
 
+// oneDNN's GEMM over a weight it packed (torch.ops.mkldnn._linear_pointwise, as CpuOps.linear calls it)
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, packed, bias.defined() ? c10::IValue(bias) : c10::IValue(), std::string("none"),
+                          c10::List<std::optional<c10::Scalar>>(), c10::IValue()};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
 struct Linear {
   at::Tensor weight;  // float32 [N, K], or uint8 rows of blocks
   int64_t qtype = FLOAT;
@@ -51,6 +65,10 @@ struct Linear {
   int64_t slice_rows = 0;  // quantized, past MAX_GEMV_ROWS: rows dequantized per GEMM (quant.slice_rows)
   at::Tensor dense;        // quantized: its float32 copy where the model keeps one (past MAX_GEMV_ROWS, one GEMM)
   at::Tensor amx;          // bfloat16: the weight as the AMX GEMM's B tiles (ops.pack_amx_weight), any row count
+  at::Tensor onednn;       // bfloat16: the weight packed by oneDNN; past MAX_GEMV_ROWS, or at any count without blocks
+  at::Tensor bias_f32;     // bfloat16 over blocks: the bias widened, as the qgemv op widens it
+
+  bool set() const { return weight.defined() || amx.defined() || onednn.defined(); }
 
   // x [M, K] contiguous -> x W^T (+ b) [M, N], as CpuOps.linear computes it for M rows
   at::Tensor run(const at::Tensor& x) const {
@@ -59,6 +77,15 @@ struct Linear {
       at::Tensor out = at::empty({M, N}, x.options());
       atom::amx_linear_bf16(out, x, amx, bias.defined() ? c10::optional<at::Tensor>(bias) : c10::nullopt);
       return out;
+    }
+    if (onednn.defined()) {
+      if (M > MAX_GEMV_ROWS || !weight.defined()) return onednn_linear(x, onednn, bias);
+      // the qgemv op on bfloat16 rows: widened exactly, float32 arithmetic, the result rounded back
+      const at::Tensor xf = x.to(at::kFloat);
+      at::Tensor of = at::empty({M, N}, xf.options());
+      atom::qgemv_f32(of.data_ptr<float>(), xf.data_ptr<float>(), M, K, weight.data_ptr<uint8_t>(), N, qtype,
+                      bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr);
+      return of.to(at::kBFloat16);
     }
     const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
     if (M <= MAX_GEMV_ROWS) {
@@ -126,7 +153,7 @@ class Decoder : public torch::CustomClassHolder {
   // slot 0 qkv, 1 o, 2 gate_up, 3 down of the last layer added; slice_rows: see Linear
   void set_linear(int64_t slot, const at::Tensor& weight, int64_t qtype, const c10::optional<at::Tensor>& bias,
                   int64_t slice_rows) {
-    TORCH_CHECK(dtype_ == at::kFloat, "Decoder: set_linear takes float32 or GGUF weights (bfloat16: set_amx_linear)");
+    TORCH_CHECK(dtype_ == at::kFloat, "Decoder: set_linear takes float32 or GGUF weights (bfloat16: set_amx_linear or set_onednn_linear)");
     Linear& lin = slot_linear(slot, "set_linear");
     TORCH_CHECK(weight.is_contiguous() && weight.device().is_cpu() && weight.dim() == 2 && weight.size(0) == lin.N,
                 "Decoder: linear ", slot, " must be a contiguous CPU [", lin.N, ", ...] tensor");
@@ -139,8 +166,8 @@ class Decoder : public torch::CustomClassHolder {
     if (bias.has_value()) check_float(*bias, lin.N, "bias"), lin.bias = *bias;
   }
 
-  // bfloat16 activations, norms, embedding and caches, every linear on the AMX tiles (set_amx_linear);
-  // before any layer is added
+  // bfloat16 activations, norms, embedding and caches, each linear on the AMX tiles (set_amx_linear) or
+  // oneDNN's (set_onednn_linear); before any layer is added
   void use_bfloat16() {
     TORCH_CHECK(layers_.empty() && !embedding_.defined() && !norm_.defined(), "Decoder: use_bfloat16 comes first");
     dtype_ = at::kBFloat16;
@@ -155,6 +182,30 @@ class Decoder : public torch::CustomClassHolder {
                 "Decoder: linear ", slot, " must be packed as B tiles for [", lin.N, ", ", lin.K, "]");
     lin.amx = packed;
     if (bias.has_value()) check_param(*bias, dtype_, lin.N, "bias"), lin.bias = *bias;
+  }
+
+  // slot's weight (last layer added) packed by oneDNN (torch.ops.mkldnn._reorder_linear_weight), bias bfloat16;
+  // blocks: a GGUF layer's own (uint8 rows of ggml type qtype), which serve 1-4 rows as in quant.cpu_linear
+  void set_onednn_linear(int64_t slot, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                         const c10::optional<at::Tensor>& blocks, int64_t qtype) {
+    TORCH_CHECK(dtype_ == at::kBFloat16, "Decoder: oneDNN linears run in bfloat16 (use_bfloat16)");
+    Linear& lin = slot_linear(slot, "set_onednn_linear");
+    TORCH_CHECK(packed.is_mkldnn() && packed.scalar_type() == at::kBFloat16 && packed.dim() == 2 &&
+                    packed.size(0) == lin.N && packed.size(1) == lin.K,
+                "Decoder: linear ", slot, " must be a bfloat16 weight packed by oneDNN for [", lin.N, ", ", lin.K,
+                "]");
+    if (blocks.has_value()) {
+      TORCH_CHECK(qtype != FLOAT && blocks->scalar_type() == at::kByte && blocks->is_contiguous() &&
+                      blocks->dim() == 2 && blocks->size(0) == lin.N &&
+                      blocks->size(1) == atom::quant_row_bytes(qtype, lin.K),
+                  "Decoder: linear ", slot, "'s blocks of type ", qtype, " do not match [", lin.N, ", ", lin.K, "]");
+      lin.weight = *blocks, lin.qtype = qtype;
+    }
+    lin.onednn = packed;
+    if (bias.has_value()) {
+      check_param(*bias, dtype_, lin.N, "bias"), lin.bias = *bias;
+      lin.bias_f32 = bias->to(at::kFloat).contiguous();
+    }
   }
 
   // the float32 copy of slot's quantized weight (last layer added), as quant.cpu_linear runs it past four rows
@@ -185,6 +236,9 @@ class Decoder : public torch::CustomClassHolder {
     const int64_t T = input_ids.size(0), L = layers_.size();
     TORCH_CHECK(T >= 1, "Decoder: an empty step");
     TORCH_CHECK(norm_.defined() && embedding_.defined() && L > 0, "Decoder: not fully built");
+    for (const Layer& layer : layers_)
+      TORCH_CHECK(layer.qkv.set() && layer.o.set() && layer.gate_up.set() && layer.down.set(),
+                  "Decoder: a layer's linears are not all set");
     check_caches(k_caches, v_caches);
     TORCH_CHECK(input_ids.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong &&
                     input_ids.is_contiguous() && slot_mapping.is_contiguous() && slot_mapping.numel() == T,
@@ -337,6 +391,7 @@ TORCH_LIBRARY_FRAGMENT(atom, m) {
       .def("set_dense", &Decoder::set_dense)
       .def("use_bfloat16", &Decoder::use_bfloat16)
       .def("set_amx_linear", &Decoder::set_amx_linear)
+      .def("set_onednn_linear", &Decoder::set_onednn_linear)
       .def("set_embedding", &Decoder::set_embedding)
       .def("set_norm", &Decoder::set_norm)
       .def("forward", &Decoder::forward);
