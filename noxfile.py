@@ -1,6 +1,8 @@
 """Sessions: tests, lint, bench. The CPU build of torch is pinned here (a plain
 ``torch`` requirement pulls a multi-GB CUDA build); pyproject keeps a range."""
 
+import os
+
 import nox
 
 nox.options.default_venv_backend = "venv"
@@ -16,10 +18,19 @@ def install(session: nox.Session, *extras: str) -> None:
     session.install("--no-deps", DEFAULT_MODEL)
 
 
+# ATOM_KERNEL_ISA=avx2 or avx512_bf16 nox -s tests: the suite as on that CPU kind (src/atom_anyio/kernels),
+# torch's oneDNN and ATen kernels capped to it too
+TORCH_ISA = {
+    "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"},
+    "avx512_bf16": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},
+}
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
     install(session, "test")
-    session.run("pytest", *(session.posargs or ["-q"]))
+    env = TORCH_ISA.get(os.environ.get("ATOM_KERNEL_ISA", ""), {})
+    session.run("pytest", *(session.posargs or ["-q"]), env=env)
 
 
 @nox.session

@@ -15,6 +15,7 @@ from typing import Any
 
 import structlog
 
+from atom_anyio import kernels
 from atom_anyio.engine.engine_config import EngineConfig
 from atom_anyio.models.attention import BACKENDS
 from atom_anyio.models.loader import DTYPES, GGUF_WEIGHTS
@@ -24,7 +25,8 @@ from atom_anyio.settings import ConfigError, parse_setting, setting, setting_nam
 log = structlog.get_logger("atom_anyio.config")
 
 LOG_FORMATS = ("json", "console", "auto")
-NOT_SETTINGS = ("ATOM_CACHE_DIR",)  # the loader's conversion cache: read where it is used
+# read where they are used: the loader's conversion cache; the CPU kind the kernels are built for (process-wide)
+NOT_SETTINGS = ("ATOM_CACHE_DIR", "ATOM_KERNEL_ISA")
 CONTEXT_OVERFLOW = ("error", "drop_oldest")
 
 
@@ -80,6 +82,8 @@ class Config:
         _one_of("log_format", self.log_format, LOG_FORMATS)
         if min(self.max_waiting_seqs, self.max_waiting_tokens, self.prepare_threads) < 1:
             raise ConfigError("max_waiting_seqs, max_waiting_tokens and prepare_threads must be at least 1")
+        if self.device == "cpu":
+            kernels.kernel_isa()  # ATOM_KERNEL_ISA, read where the kernels are built: a bad one fails here
         if self.model is not None and not os.path.exists(self.model):
             raise ConfigError(f"model: no such file or directory: {self.model}")
         try:

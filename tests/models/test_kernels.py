@@ -27,16 +27,19 @@ from atom_anyio.models.attention import (
     TorchPagedAttention,
     select_backend,
 )
+from atom_anyio.models.loader import resolve_dtype
 from atom_anyio.models.ops import (
     CpuOps,
     TorchOps,
     amx_linear,
     amx_qlinear,
+    can_pack_bf16,
     pack_amx_qweight,
     pack_amx_weight,
     unpack_amx_weight,
 )
 from atom_anyio.models.quant import QuantLinear
+from atom_anyio.settings import ConfigError
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -585,6 +588,67 @@ def test_the_kernels_compile_for_the_other_cpu_kinds():
     assert not failed, "\n".join(
         f"{arch} ({OTHER_CPU_KINDS[arch]}) {name}:\n{err[:2000]}" for (arch, name), err in failed.items()
     )
+
+
+XEON = "flags : fpu sse2 avx2 fma avx512f avx512bw avx512vl avx512_bf16 avx512_fp16 amx_bf16 amx_tile"
+
+
+@pytest.fixture
+def kernel_isa(monkeypatch):
+    """Set ATOM_KERNEL_ISA for the test (on a host of ``XEON``'s flags unless the test says other),
+    the cached reading cleared before and after."""
+
+    def use(isa: str, host: str = XEON) -> None:
+        monkeypatch.setattr(kernels, "host_flags", lambda: host)
+        monkeypatch.setenv("ATOM_KERNEL_ISA", isa)
+        kernels.kernel_isa.cache_clear()
+
+    yield use
+    monkeypatch.undo()
+    kernels.kernel_isa.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "isa,march,flags,dtype",
+    [
+        ("native", "native", list(kernels.ISA_FLAGS), torch.bfloat16),
+        ("avx2", "x86-64-v3", ["avx2", "fma"], torch.float32),
+        (
+            "avx512_bf16",
+            "cooperlake",
+            ["avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"],
+            torch.bfloat16,
+        ),
+    ],
+)
+def test_kernel_isa_builds_and_picks_as_a_lower_cpu_kind_would(kernel_isa, isa, march, flags, dtype):
+    """ATOM_KERNEL_ISA on a Xeon with AMX: the build's -march and cache entry, and every choice
+    made by the flags (auto's dtype, oneDNN packing, the attention's prefill path) as on that kind."""
+    kernel_isa("native")
+    native_name = kernels.build_name()
+    kernel_isa(isa)
+    assert kernels.isa_flags() == flags
+    assert f"-march={march}" in kernels.compiler_flags()
+    assert (kernels.build_name() == native_name) == (isa == "native")
+    assert resolve_dtype("auto", torch.device("cpu")) == dtype
+    if isa == "avx2":
+        assert not can_pack_bf16()
+    backend = select_backend(torch.device("cpu"), "auto", dtype=dtype)
+    assert backend.amx_prefill == (isa == "native" and kernels.has_amx_attention())
+
+
+def test_a_kernel_isa_it_does_not_know_or_this_cpu_lacks_is_one_line_naming_it(kernel_isa):
+    cases = {
+        ("avx9", XEON): "ATOM_KERNEL_ISA=avx9: one of native, avx2, avx512_bf16",
+        ("avx512_bf16", "flags : fpu avx2 fma"): "ATOM_KERNEL_ISA=avx512_bf16: this CPU lacks avx512f, avx512bw, "
+        "avx512vl, avx512_bf16",
+        ("avx2", "flags : fpu sse2"): "ATOM_KERNEL_ISA=avx2: this CPU lacks avx2, fma",
+    }
+    for (isa, host), message in cases.items():
+        kernel_isa(isa, host)
+        with pytest.raises(ConfigError) as raised:
+            kernels.cpu_flags()
+        assert str(raised.value) == message
 
 
 AMX_LINEAR = "linear_amx_bf16"

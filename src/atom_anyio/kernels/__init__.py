@@ -5,6 +5,14 @@ They register ``torch.ops.atom.*``. The build targets the CPU it runs on
 (``-march=native``), so the cache entry is named after the source, the torch
 version and the CPU's instruction-set flags. Without a compiler the build
 fails once, the reason is returned and the portable torch path is used.
+
+``ATOM_KERNEL_ISA`` (``native`` by default) builds and picks them as on a CPU
+with less than this one: ``avx2`` as on an AVX2-only CPU (a Zen 3),
+``avx512_bf16`` as on one with AVX512-BF16 and no AMX (a Zen 4 or 5). The
+flags past it are hidden from everything that decides by them (``auto``'s
+dtype, the kernel variants, the attention's prefill path), so the suite runs
+what that CPU kind runs; torch's own kernels follow ``ONEDNN_MAX_CPU_ISA``
+and ``ATEN_CPU_CAPABILITY``, which ``nox -s tests`` sets from it.
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import os
 import platform
 import time
 from pathlib import Path
@@ -19,17 +28,26 @@ from pathlib import Path
 import structlog
 import torch
 
+from atom_anyio.settings import ConfigError
+
 log = structlog.get_logger("atom_anyio.engine")
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("paged_attention.cpp", "ops.cpp", "quant.cpp", "decoder.cpp", "gemm.cpp")]
 HEADERS = [CSRC / "vec.h", CSRC / "kernels.h", CSRC / "amx.h"]
 # no FMA contraction of separate products: the elementwise kernels round as torch's ops do
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
+FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
+
+# ATOM_KERNEL_ISA: (the build's -march, the flags it hides, the flags the CPU must have for it)
+KERNEL_ISAS = {
+    "native": ("native", (), ()),
+    "avx2": ("x86-64-v3", ("avx512", "amx"), ("avx2", "fma")),
+    "avx512_bf16": ("cooperlake", ("amx", "avx512_fp16"), ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")),
+}
 
 
 @functools.cache
-def cpu_flags() -> str:
+def host_flags() -> str:
     """The CPU's instruction-set flags (``/proc/cpuinfo``), or its name elsewhere."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -38,6 +56,32 @@ def cpu_flags() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+@functools.cache
+def kernel_isa() -> str:
+    """``ATOM_KERNEL_ISA`` (module docstring): ``native``, or the CPU kind the kernels are built
+    and picked for; a name it does not know, or a kind above this CPU, is a ``ConfigError``."""
+    isa = os.environ.get("ATOM_KERNEL_ISA") or "native"
+    if isa not in KERNEL_ISAS:
+        raise ConfigError(f"ATOM_KERNEL_ISA={isa}: one of {', '.join(KERNEL_ISAS)}")
+    present = set(host_flags().split())
+    if missing := [f for f in KERNEL_ISAS[isa][2] if f not in present]:
+        raise ConfigError(f"ATOM_KERNEL_ISA={isa}: this CPU lacks {', '.join(missing)}")
+    return isa
+
+
+def cpu_flags() -> str:
+    """The instruction-set flags the kernels are built and picked for: the CPU's, less those past
+    ``ATOM_KERNEL_ISA``."""
+    hidden = KERNEL_ISAS[kernel_isa()][1]
+    if not hidden:
+        return host_flags()
+    return " ".join(f for f in host_flags().split() if not f.startswith(hidden))
+
+
+def compiler_flags() -> list[str]:
+    return [*FLAGS, f"-march={KERNEL_ISAS[kernel_isa()][0]}"]
 
 
 @functools.cache
@@ -147,7 +191,7 @@ def build_name() -> str:
     for p in SOURCES + HEADERS:
         digest.update(str(p.resolve()).encode())
         digest.update(p.read_bytes())
-    for part in (torch.__version__, torch.__file__, " ".join(FLAGS), cpu_flags()):
+    for part in (torch.__version__, torch.__file__, " ".join(compiler_flags()), cpu_flags()):
         digest.update(part.encode())
     return f"atom_cpu_kernels_{digest.hexdigest()[:16]}"
 
@@ -188,13 +232,15 @@ def load_cpu_kernels() -> str | None:
     build_dir = build_directory(name)
     clear_stale_lock(build_dir)
     if not (build_dir / f"{name}.so").exists():
-        log.info("kernels.building", name=name, sources=[p.name for p in SOURCES], cpu=cpu_model(), flags=FLAGS)
+        log.info(
+            "kernels.building", name=name, sources=[p.name for p in SOURCES], cpu=cpu_model(), flags=compiler_flags()
+        )
     t0 = time.perf_counter()
     try:
         cpp_extension.load(
             name=name,
             sources=[str(p) for p in SOURCES],
-            extra_cflags=FLAGS,
+            extra_cflags=compiler_flags(),
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,
@@ -207,6 +253,7 @@ def load_cpu_kernels() -> str | None:
         "kernels.loaded",
         name=name,
         seconds=round(time.perf_counter() - t0, 2),
+        isa=kernel_isa(),
         native=list(torch.ops.atom.native_kernels()),
     )
     return None

@@ -269,8 +269,9 @@ def unpack_amx_weight(packed: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def can_pack_bf16() -> bool:
-    """Whether oneDNN runs bfloat16 GEMMs natively here (AVX512-BF16 or AMX)."""
-    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    """Whether oneDNN runs bfloat16 GEMMs natively here (AVX512-BF16 or AMX; not past ATOM_KERNEL_ISA)."""
+    mkldnn = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return mkldnn and kernels.has_native_bf16()
 
 
 def pack_bf16_linears(model: torch.nn.Module, amx: bool | None = None) -> int:
