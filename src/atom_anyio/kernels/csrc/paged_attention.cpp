@@ -12,6 +12,8 @@
 // Inner loops: a KV block is staged as float (K transposed, [D][16]) so the
 // score and value micro-kernels are plain fixed-width FMA loops over rows
 // held in registers; exp is vectorised with AVX2 when the compiler targets it.
+// A decode's few rows a head take their scores from the keys as they lie
+// instead (dot products over the dims, folded by horizontal adds).
 // With AVX512-BF16 and a bfloat16 cache, keys are staged as bfloat16 pairs
 // and both products are pair dot products (vdpbf16ps). The next chunks are
 // prefetched in pieces between the current chunk's work (struct Ahead).
@@ -127,16 +129,66 @@ inline void values(const float* p, const float* v, int64_t ldv, int n, int D, fl
   }
 }
 
-// one chunk of keys [key0, key0 + n) for NR rows: scores, online softmax, values
-template <int NR, bool Fixed>
-inline void rows_chunk(const float* q, int D, const float* kt, const float* v, int64_t ldv, int n, const int* qpos,
-                       int key0, int window, float* m, float* l, float* o) {
+#if defined(__AVX2__) && defined(__FMA__)
+// The scores of a few rows straight from the keys as they lie (no staged transpose), for
+// decodes: each key's products summed over its dims in 8 lanes, four keys at a time, then the
+// keys' vectors folded into one by horizontal adds (9 shuffles and adds a row per 8 keys,
+// against the 24 shuffles per 8 dims that staging 8 keys costs whatever the rows). Keys j >= n
+// are not read (their scores are 0, masked by the caller).
+template <int NR, typename T>
+inline void scores_from_rows(const float* q, int D, const T* k, int64_t ldk, int n, V8 (*s)[2]) {
+  for (int half = 0; half < 2; ++half) {
+    __m256 h[NR][2];  // per four keys: [key t's dims 0-3 for t < 4 | their dims 4-7]
+    for (int g = 0; g < 2; ++g) {
+      __m256 a[NR][4];
+      for (int r = 0; r < NR; ++r)
+        for (int t = 0; t < 4; ++t) a[r][t] = _mm256_setzero_ps();
+      const int key = 8 * half + 4 * g, keys = std::min(4, n - key);
+      for (int d = 0; d < D && keys > 0; d += 8) {
+        __m256 qv[NR];
+        for (int r = 0; r < NR; ++r) qv[r] = _mm256_loadu_ps(q + r * D + d);
+        for (int t = 0; t < keys; ++t) {
+          const __m256 kv = load_as_float(k + (key + t) * ldk + d).v;
+          for (int r = 0; r < NR; ++r) a[r][t] = _mm256_fmadd_ps(qv[r], kv, a[r][t]);
+        }
+      }
+      for (int r = 0; r < NR; ++r)
+        h[r][g] = _mm256_hadd_ps(_mm256_hadd_ps(a[r][0], a[r][1]), _mm256_hadd_ps(a[r][2], a[r][3]));
+    }
+    for (int r = 0; r < NR; ++r)
+      s[r][half].v = _mm256_add_ps(_mm256_permute2f128_ps(h[r][0], h[r][1], 0x20),
+                                   _mm256_permute2f128_ps(h[r][0], h[r][1], 0x31));
+  }
+}
+#endif
+
+// rows at or under this many per kv head take their scores from the keys as they lie (decodes;
+// never a batch-invariant call, whose sums must not depend on the rows a block holds); a build
+// without AVX2 always stages
+constexpr int ROWS_FROM_KEYS_MAX = 3;
+#if defined(__AVX2__) && defined(__FMA__)
+constexpr bool SCORES_FROM_KEYS = true;
+#else
+constexpr bool SCORES_FROM_KEYS = false;
+#endif
+
+// one chunk of keys [key0, key0 + n) for NR rows: scores, online softmax, values. kt: the chunk's
+// keys staged transposed, or null to take the scores from the keys k as they lie
+template <int NR, bool Fixed, typename T = float>
+inline void rows_chunk(const float* q, int D, const float* kt, const T* k, int64_t ldk, const float* v, int64_t ldv,
+                       int n, const int* qpos, int key0, int window, float* m, float* l, float* o) {
   V8 s[NR][2];
   float p[NR * KW];
-  scores<NR, Fixed>(q, D, kt, s);
+#if defined(__AVX2__) && defined(__FMA__)
+  if (!kt)
+    scores_from_rows<NR>(q, D, k, ldk, n, s);
+  else
+#endif
+    scores<NR, Fixed>(q, D, kt, s);
   for (int r = 0; r < NR; ++r) {
     const int visible = std::min(n, qpos[r] - key0 + 1);  // causal: keys up to the row's own position
-    V8 s0 = mask_from(s[r][0], visible), s1 = mask_from(s[r][1], visible - 8);
+    V8 s0 = s[r][0], s1 = s[r][1];
+    if (visible < KW) s0 = mask_from(s0, visible), s1 = mask_from(s1, visible - 8);
     if (window > 0) {  // sliding window: keys after the row's position - window
       const int first = qpos[r] - window + 1 - key0;
       s0 = mask_below(s0, first), s1 = mask_below(s1, first - 8);
@@ -148,7 +200,8 @@ inline void rows_chunk(const float* q, int D, const float* kt, const float* v, i
     }
     const V8 e0 = exp(sub(s0, splat(mx))), e1 = exp(sub(s1, splat(mx)));
     store(p + r * KW, e0), store(p + r * KW + 8, e1);
-    const float alpha = m[r] == NEG_INF ? 0.f : std::exp(m[r] - mx);
+    // the max unchanged (most chunks once a row has seen a few): exp(0), without the call
+    const float alpha = m[r] == mx ? 1.f : m[r] == NEG_INF ? 0.f : std::exp(m[r] - mx);
     l[r] = l[r] * alpha + hsum(add(e0, e1));
     m[r] = mx;
     if (alpha != 1.f)
@@ -157,16 +210,20 @@ inline void rows_chunk(const float* q, int D, const float* kt, const float* v, i
   values<NR, Fixed>(p, v, ldv, n, D, o);
 }
 
-template <bool Fixed, int NR = RB>
-inline void rows_dispatch(int rows, const float* q, int D, const float* kt, const float* v, int64_t ldv, int n,
-                          const int* qpos, int key0, int window, float* m, float* l, float* o) {
+template <bool Fixed, int NR = RB, typename T = float>
+inline void rows_dispatch(int rows, const float* q, int D, const float* kt, const T* k, int64_t ldk, const float* v,
+                          int64_t ldv, int n, const int* qpos, int key0, int window, float* m, float* l, float* o) {
   if constexpr (NR > 0) {
+    if (!kt && NR > ROWS_FROM_KEYS_MAX) {
+      rows_dispatch<Fixed, ROWS_FROM_KEYS_MAX>(rows, q, D, kt, k, ldk, v, ldv, n, qpos, key0, window, m, l, o);
+      return;
+    }
     if (rows >= NR) {
-      rows_chunk<NR, Fixed>(q, D, kt, v, ldv, n, qpos, key0, window, m, l, o);
-      rows_dispatch<Fixed, NR>(rows - NR, q + NR * D, D, kt, v, ldv, n, qpos + NR, key0, window, m + NR, l + NR,
-                               o + NR * D);
+      rows_chunk<NR, Fixed>(q, D, kt, k, ldk, v, ldv, n, qpos, key0, window, m, l, o);
+      rows_dispatch<Fixed, NR>(rows - NR, q + NR * D, D, kt, k, ldk, v, ldv, n, qpos + NR, key0, window, m + NR,
+                               l + NR, o + NR * D);
     } else {
-      rows_dispatch<Fixed, NR - 1>(rows, q, D, kt, v, ldv, n, qpos, key0, window, m, l, o);
+      rows_dispatch<Fixed, NR - 1>(rows, q, D, kt, k, ldk, v, ldv, n, qpos, key0, window, m, l, o);
     }
   }
 }
@@ -330,7 +387,7 @@ inline void bf16_softmax(const __m512* s, int n, const int* qpos, int key0, int 
     }
     const __m512 e = exp16(_mm512_sub_ps(sr, _mm512_set1_ps(mx)));
     _mm256_store_si256(reinterpret_cast<__m256i*>(pb + r * 16), (__m256i)_mm512_cvtneps_pbh(e));
-    alpha[r] = m[r] == NEG_INF ? 0.f : std::exp(m[r] - mx);
+    alpha[r] = m[r] == mx ? 1.f : m[r] == NEG_INF ? 0.f : std::exp(m[r] - mx);  // exp(0) without the call
     l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(e);
     m[r] = mx;
   }
@@ -854,8 +911,8 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
       const int first_pos = lens[u.seq] - (qstart[u.seq + 1] - qstart[u.seq]);
       const int nt = u.q_end - u.q_begin, rows = nt * H, group_rows = nt * G;
       // Few rows a head (decodes) take their scores from the keys as they lie, where staging the
-      // keys as pairs would cost more than folding each row's sums; batch-invariant calls always
-      // stage, so a row's sums are the same whichever tile it is in.
+      // keys (transposed as floats, or as bfloat16 pairs) would cost more than folding each row's
+      // sums; batch-invariant calls always stage, so a row's sums are the same whichever tile it is in.
       [[maybe_unused]] const bool row_scores = fixed == 0 && group_rows * 10 <= D;
       std::fill(o.begin(), o.begin() + rows * D, 0.f);
       std::fill(m.begin(), m.begin() + rows, NEG_INF);
@@ -914,7 +971,8 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
             }
           }
 #endif
-          stage_keys(kb, slot_stride, n, D, kt.data());
+          const bool staged = !(SCORES_FROM_KEYS && row_scores);
+          if (staged) stage_keys(kb, slot_stride, n, D, kt.data());
           ak.issue(h + 1 < KVH ? piece : ak.left);
           av.issue(piece);
           const float* v;
@@ -929,11 +987,11 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
             ldv = D;
           }
           if (fixed > 0)
-            rows_dispatch<true>(group_rows, &qs[r0 * D], D, kt.data(), v, ldv, n, &qpos[r0], key0, window, &m[r0],
-                                &l[r0], &o[r0 * D]);
+            rows_dispatch<true>(group_rows, &qs[r0 * D], D, kt.data(), kb, slot_stride, v, ldv, n, &qpos[r0], key0,
+                                window, &m[r0], &l[r0], &o[r0 * D]);
           else
-            rows_dispatch<false>(group_rows, &qs[r0 * D], D, kt.data(), v, ldv, n, &qpos[r0], key0, window, &m[r0],
-                                 &l[r0], &o[r0 * D]);
+            rows_dispatch<false>(group_rows, &qs[r0 * D], D, staged ? kt.data() : nullptr, kb, slot_stride, v, ldv, n,
+                                 &qpos[r0], key0, window, &m[r0], &l[r0], &o[r0 * D]);
           av.issue(h + 1 < KVH ? piece : av.left);
         }
       }
