@@ -7,6 +7,7 @@ import gc
 import random
 import tracemalloc
 import weakref
+from pathlib import Path
 
 import anyio
 import pytest
@@ -337,3 +338,31 @@ def test_non_finite_logits_end_the_request_with_an_error_not_a_token(tiny_model_
     [choice] = out.outputs
     assert choice.finish_reason == "error" and "non-finite logits" in choice.error
     assert choice.token_ids == []
+
+
+def anon_huge_kib(address: int) -> int:
+    """AnonHugePages of the mapping of this process that holds ``address`` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    return 0
+
+
+def test_the_kv_pool_is_backed_by_huge_pages_where_the_os_offers_them(tiny_model):
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    try:
+        mode = thp.read_text()
+    except OSError:
+        pytest.skip("no transparent huge pages on this OS")
+    if "[never]" in mode:
+        pytest.skip(f"transparent huge pages are off here ({thp}: never)")
+    engine = Engine(tiny_model, EngineConfig(kv_cache_gib=0.0625))
+    pool = engine.worker.kv_pool
+    assert engine.worker.kv_huge_pages
+    assert anon_huge_kib(pool.data_ptr() + pool.nbytes // 2) >= 2048
+    assert not pool.any()  # advised before its first touch, zeroed all the same

@@ -101,15 +101,13 @@ class Worker:
                 log.info("model.batch_invariant", enabled=on_tiles, requested="auto", why=why)
         cfg = model.config
         num_slots = (num_blocks + (decode_graphs is not None)) * block_size  # a spare block for padding rows
-        self.kv_pool = torch.zeros(
-            cfg.num_hidden_layers,
-            2,
-            num_slots,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-            dtype=self.dtype,
-            device=self.device,
-        )
+        shape = (cfg.num_hidden_layers, 2, num_slots, cfg.num_key_value_heads, cfg.head_dim)
+        self.kv_huge_pages = False
+        if self.device.type == "cpu":
+            self.kv_pool, self.kv_huge_pages = kernels.empty_on_huge_pages(shape, self.dtype)
+            self.kv_pool.zero_()  # its pages faulted in here, on the loading thread, not by the first steps
+        else:
+            self.kv_pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_pool]
         self.block_size = block_size
         self.graphs = None
