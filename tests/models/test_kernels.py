@@ -332,6 +332,19 @@ def test_without_a_compiler_auto_falls_back_to_the_portable_path(tmp_path):
     assert "kernels.unavailable" in run.stdout + run.stderr  # one clear log line
 
 
+def test_each_ninja_on_path_has_its_own_cache_entry(tmp_path, monkeypatch):
+    """torch builds with the ninja on PATH, and two ninja versions drop each other's build log:
+    a server started outside the venv (the system's ninja) and the suite inside it (the venv's)
+    must not share one entry, or each start rebuilds it."""
+    name = kernels.build_name()
+    assert kernels.build_name() == name  # stable while nothing changes
+    other = tmp_path / "ninja"
+    other.write_text("#!/bin/sh\necho 1.10.0\n")
+    other.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert kernels.build_name() != name
+
+
 def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_start():
     """A build killed midway leaves ``lock`` in its build directory, and torch waits on it forever,
     even with the build cached: an old one is removed, said in one line, and the kernels load."""

@@ -24,6 +24,7 @@ import math
 import mmap
 import os
 import platform
+import shutil
 import time
 from pathlib import Path
 
@@ -214,13 +215,17 @@ def empty_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[tor
 
 def build_name() -> str:
     """The cache entry's name: a digest of everything the build depends on (the sources, their
-    place, the compiler flags, the torch it links against and the CPU's flags), so two installs
-    on one machine keep two entries instead of rebuilding each other's."""
+    place, the compiler flags, the torch it links against, the ninja that builds it and the CPU's
+    flags), so two installs on one machine keep two entries instead of rebuilding each other's.
+    The ninja is the one on PATH, which torch runs: a venv's (PyPI's ninja, 1.13) and the
+    system's (Debian's, 1.11) each drop the other's build log, so a server started outside the
+    venv and the suite inside it rebuilt one entry for 40 s at every turn (Zen 3)."""
     digest = hashlib.sha256()
     for p in SOURCES + HEADERS:
         digest.update(str(p.resolve()).encode())
         digest.update(p.read_bytes())
-    for part in (torch.__version__, torch.__file__, " ".join(compiler_flags()), cpu_flags()):
+    ninja = shutil.which("ninja") or ""
+    for part in (torch.__version__, torch.__file__, " ".join(compiler_flags()), ninja, cpu_flags()):
         digest.update(part.encode())
     return f"atom_cpu_kernels_{digest.hexdigest()[:16]}"
 
