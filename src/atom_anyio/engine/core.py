@@ -107,7 +107,7 @@ class Engine:
             num_blocks=num_blocks,
             gib=round(num_blocks * per_block / 2**30, 3),
             max_model_len=self.max_model_len,
-            huge_pages=getattr(self.worker, "kv_huge_pages", False),
+            huge_pages=self.worker.kv_huge_pages,
         )
 
     def _num_pool_blocks(self, bytes_per_block: int, pool_bytes: int) -> int:
