@@ -160,17 +160,14 @@ inline void scores_from_rows(const float* q, int D, const T* k, int64_t ldk, int
                                    _mm256_permute2f128_ps(h[r][0], h[r][1], 0x31));
   }
 }
+constexpr bool SCORES_FROM_KEYS = true;
+#else
+constexpr bool SCORES_FROM_KEYS = false;  // a build without AVX2 always stages
 #endif
 
 // rows at or under this many per kv head take their scores from the keys as they lie (decodes;
-// never a batch-invariant call, whose sums must not depend on the rows a block holds); a build
-// without AVX2 always stages
+// never a batch-invariant call, whose sums must not depend on the rows a block holds)
 constexpr int ROWS_FROM_KEYS_MAX = 3;
-#if defined(__AVX2__) && defined(__FMA__)
-constexpr bool SCORES_FROM_KEYS = true;
-#else
-constexpr bool SCORES_FROM_KEYS = false;
-#endif
 
 // one chunk of keys [key0, key0 + n) for NR rows: scores, online softmax, values. kt: the chunk's
 // keys staged transposed, or null to take the scores from the keys k as they lie
@@ -913,7 +910,7 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
       // Few rows a head (decodes) take their scores from the keys as they lie, where staging the
       // keys (transposed as floats, or as bfloat16 pairs) would cost more than folding each row's
       // sums; batch-invariant calls always stage, so a row's sums are the same whichever tile it is in.
-      [[maybe_unused]] const bool row_scores = fixed == 0 && group_rows * 10 <= D;
+      const bool row_scores = fixed == 0 && group_rows * 10 <= D;
       std::fill(o.begin(), o.begin() + rows * D, 0.f);
       std::fill(m.begin(), m.begin() + rows, NEG_INF);
       std::fill(l.begin(), l.begin() + rows, 0.f);
