@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from atom_anyio.engine.sampler import Sampler, SamplingInputs, process_logits
+from atom_anyio.engine import sampler as sampler_module
+from atom_anyio.engine.sampler import INVALID_TOKEN, Sampler, SamplingInputs, _inverse_cdf, process_logits
 from atom_anyio.sampling_params import SamplingParams
 
 EOS = 2
@@ -177,6 +178,81 @@ def test_seeded_sampling_follows_the_distribution():
     params = [SamplingParams(temperature=1.0, seed=seed) for seed in range(5000)]
     tokens = torch.tensor(sample(logits.expand(5000, -1).contiguous(), params))
     assert total_variation(tokens, logits.softmax(-1)) < 0.04
+
+
+def test_a_token_of_probability_zero_is_never_drawn_at_either_end_of_u():
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.5, 0.25, 0.0]] * 4)
+    u = torch.tensor([0.0, 0.25, 0.5, math.nextafter(1.0, 0.0)], dtype=torch.float64)
+    assert _inverse_cdf(probs, u).tolist() == [1, 3, 3, 4]
+
+
+def test_a_masked_vocabulary_is_sampled_over_what_is_left():
+    logits = torch.tensor([1.0, 0.5, 0.0, -0.5, 2.0, -1.0, 0.3, 1.2]).repeat(4)
+    allowed = torch.tensor([5, 6, 13, 30])  # a grammar's few tokens, spread over the vocabulary
+    masked = torch.full_like(logits, float("-inf"))
+    masked[allowed] = logits[allowed]
+    tokens = draws(masked, SamplingParams(temperature=1.0), 20_000)
+    assert set(tokens.tolist()) == set(allowed.tolist())
+    assert total_variation(tokens, masked.softmax(-1)) < 0.02
+
+
+def test_the_smallest_probabilities_keep_their_share_after_a_large_one():
+    # 100k tokens of 4e-9 each after one of 0.9996: float32 CDF entries near 1 are an ulp (6e-8,
+    # 15 of these tokens) apart, rounded to the nearest; so where the draw lands on a float32
+    # value, a float32 CDF answers about 7 tokens away from the first that passes it
+    tail = 100_000
+    probs = torch.cat([torch.tensor([1 - tail * 4e-9]), torch.full((tail,), 4e-9)]).unsqueeze(0)
+    head, each = (probs[0, i].double().item() for i in (0, 1))
+    x = torch.tensor(0.9998, dtype=torch.float32).item()  # in the tail, on a float32 value
+    u = torch.tensor([head / 2, x / (head + tail * each)], dtype=torch.float64)
+    first, middle = _inverse_cdf(probs.expand(2, -1), u).tolist()
+    assert first == 0
+    assert abs(middle - (math.floor((x - head) / each) + 1)) <= 1  # the first that passes u of the total
+
+
+def test_a_row_of_non_finite_logits_stays_in_range_for_the_next_step():
+    logits = random_logits(3, 500)
+    logits[1] = float("nan")
+    params = [SamplingParams(temperature=1.0, seed=3), SamplingParams(temperature=1.0), SamplingParams(temperature=0.7)]
+    out = Sampler()(logits, make_inputs(params), finite=torch.isfinite(logits).all(dim=-1))
+    assert out.token_ids[1] == INVALID_TOKEN and INVALID_TOKEN not in (out.token_ids[0], out.token_ids[2])
+    assert int(out.ids.min()) >= 0 and int(out.ids.max()) < 500
+
+
+def test_the_cut_among_the_largest_logits_is_the_full_sorts_and_only_a_row_it_may_miss_is_sorted(monkeypatch):
+    vocab = 5000
+    peaked, flat = random_logits(6, vocab, seed=1, scale=4.0), random_logits(4, vocab, seed=2, scale=0.05)
+    logits = torch.cat([peaked, flat, random_logits(1, vocab, seed=3, scale=1.0)])
+    params = [
+        SamplingParams(temperature=1.0, top_p=0.9),
+        SamplingParams(temperature=1.0, top_k=40),
+        SamplingParams(temperature=1.0, top_k=200, top_p=0.5),
+        SamplingParams(temperature=1.0, min_p=0.1),
+        SamplingParams(temperature=1.0),  # no cut: its logits stay
+        SamplingParams(temperature=1.0, top_k=1000),  # above the candidates: sorted
+        SamplingParams(temperature=1.0, top_p=0.9),  # flat: every candidate kept, sorted
+        SamplingParams(temperature=1.0, min_p=0.5),  # flat: every candidate kept, sorted
+        SamplingParams(temperature=1.0, top_k=100, top_p=0.95),  # flat, but the top 100 are candidates
+        SamplingParams(temperature=1.0, top_p=0.001),  # flat, cut at the first
+        # top_p of the top 1000's mass (57% of the row's): the cut is among the candidates, its
+        # measure is not: sorted
+        SamplingParams(temperature=1.0, top_k=1000, top_p=0.2),
+    ]
+    sorted_rows = []
+    real = sampler_module._sorted_cut
+
+    def spied(rows_logits, rows_params):
+        sorted_rows.extend(next(i for i, q in enumerate(params) if q is p) for p in rows_params)
+        return real(rows_logits, rows_params)
+
+    monkeypatch.setattr(sampler_module, "_sorted_cut", spied)
+    cut = sampler_module._top_k_top_p_min_p(logits, params)
+    assert sorted_rows == [5, 6, 7, 10]
+    assert torch.equal(cut[4], logits[4])
+    expected = torch.cat([real(logits[i : i + 1], [params[i]]) for i in range(len(params)) if i != 4])
+    assert torch.equal(torch.cat([cut[:4], cut[5:]]).isfinite(), expected.isfinite())
+    assert torch.equal(cut[cut.isfinite()], logits[cut.isfinite()])
+    assert 3 < int(cut[0].isfinite().sum()) < 256 and int(cut[6].isfinite().sum()) > 256
 
 
 def test_presence_penalty_subtracts_once_per_seen_token():

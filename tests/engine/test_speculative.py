@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import math
 import random
+from dataclasses import replace
 
 import anyio
 import numpy as np
@@ -260,7 +261,9 @@ def test_seeded_sampling_gives_the_same_tokens_with_and_without_speculation(tiny
     params = [SamplingParams(temperature=0.8, seed=s, max_tokens=32, ignore_eos=True) for s in range(6)]
     plain = ids(LLM(tiny_model, **SMALL), prompts, params)
     llm = LLM(tiny_model, speculative_config=SUFFIX, **SMALL)
-    spec = warm(llm, prompts, params)
+    # the store holds half the prompts' outputs under these seeds (their drafts are right) and the
+    # other half's under other seeds (drafts of another sample: rejected where the two part)
+    spec = warm(llm, prompts, [replace(p, seed=p.seed + 100 * (i % 2)) for i, p in enumerate(params)])
     assert ids(llm, prompts, params) == plain
     assert spec.num_accepted_tokens > 0 and spec.num_accepted_tokens < spec.num_draft_tokens  # both branches
 

@@ -1,5 +1,5 @@
 """One step's logits to tokens: logit processors, then argmax or an
-exponential-race sample, plus the logprobs each request asked for."""
+inverse-CDF sample, plus the logprobs each request asked for."""
 
 from __future__ import annotations
 
@@ -165,38 +165,102 @@ def _apply_penalties(logits: torch.Tensor, inputs: SamplingInputs) -> None:
 def _sample(
     logits: torch.Tensor, params: list[SamplingParams], seeds: list[int | None], steps: list[int]
 ) -> torch.Tensor:
-    """Temperature, top-k, top-p, min-p, then ``argmax(probs / q)`` with ``q ~ Exp(1)``."""
+    """Temperature, top-k, top-p, min-p, then one uniform draw a row through the row's CDF."""
     logits = logits / _column([p.temperature for p in params], logits)
     if any(p.top_k or p.top_p < 1.0 or p.min_p for p in params):
         logits = _top_k_top_p_min_p(logits, params)
-    probs = logits.softmax(dim=-1)
-    return probs.div_(_exponentials(probs, seeds, steps)).argmax(dim=-1)
+    return _inverse_cdf(logits.softmax(dim=-1), _uniforms(seeds, steps, logits.device))
 
 
-def _top_k_top_p_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    vocab = logits.shape[1]
-    top_k = _long([min(p.top_k or vocab, vocab) for p in params], logits.device).unsqueeze(1)
-    top_p = _column([p.top_p for p in params], logits)
-    min_p = _column([p.min_p for p in params], logits)
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    sorted_logits.masked_fill_(torch.arange(vocab, device=logits.device) >= top_k, float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)  # renormalised over the top k
-    mass_ahead = probs.cumsum(dim=-1) - probs
-    # top_p keeps every token whose predecessors hold less than p; top_p == 1 keeps all
-    drop = ((mass_ahead >= top_p) & (top_p < 1.0)) | (probs < min_p * probs[:, :1])
-    sorted_logits.masked_fill_(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Row i's token: the first whose cumulative probability passes ``u[i]`` of the row's total.
+    One draw a row, where an exponential race (``argmax(probs / q)``, ``q ~ Exp(1)``) draws one a
+    vocabulary entry: the draws for 64 rows of a 49k vocabulary, 1.9 against 74 ms on a Zen 3 (144 seeded).
+    The sums are float64, so the smallest probabilities keep their share: float32 entries near 1
+    are an ulp (6e-8) apart, so a tail of smaller probabilities would be drawn in steps of an ulp
+    (and summed in float32, as on GPUs, a token under half of one would add nothing). A token of
+    probability 0 (masked) never is: the CDF does not pass anything at it, and ``u * total`` stays
+    under the total (u < 1). A row of NaNs (logits not all finite: reported as ``INVALID_TOKEN``)
+    would index past the vocabulary; the last token with mass (0 there) bounds it, so the id that
+    async scheduling feeds to the next step stays in range."""
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+    total = cdf[:, -1:]
+    ids = torch.searchsorted(cdf, u.unsqueeze(1) * total, right=True)
+    last = (cdf < total).sum(dim=-1, keepdim=True)  # the entry that reaches the total: the last with mass
+    return torch.minimum(ids, last).squeeze(1)
 
 
-def _exponentials(probs: torch.Tensor, seeds: list[int | None], steps: list[int]) -> torch.Tensor:
-    q = torch.empty_like(probs).exponential_()
+def _uniforms(seeds: list[int | None], steps: list[int], device: torch.device) -> torch.Tensor:
+    """One U[0, 1) draw a row (float64); a seeded row's from a generator seeded by (seed, step)."""
+    u = torch.rand(len(seeds), dtype=torch.float64, device=device)
     for i, (seed, step) in enumerate(zip(seeds, steps, strict=True)):
         if seed is not None:
             # a function of (seed, step) alone: the same token in any batch and after a recompute
-            generator = torch.Generator(device=probs.device).manual_seed(hash((seed, step)) & _SEED_MASK)
-            q[i].exponential_(generator=generator)
-    # a zero draw would turn a masked token's 0 / 0 into a NaN that argmax picks
-    return q.clamp_min_(torch.finfo(q.dtype).tiny)
+            generator = torch.Generator(device=device).manual_seed(hash((seed, step)) & _SEED_MASK)
+            u[i] = torch.rand((), dtype=torch.float64, device=device, generator=generator)
+    return u
+
+
+# a row's largest logits that its top-k / top-p / min-p cut is looked for among first
+CUT_CANDIDATES = 256
+
+
+def _top_k_top_p_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The rows that cut (top_k under the vocabulary, top_p under 1 or min_p over 0) cut; the
+    others keep their logits."""
+    vocab = logits.shape[1]
+    rows = [i for i, p in enumerate(params) if 0 < (p.top_k or vocab) < vocab or p.top_p < 1.0 or p.min_p > 0]
+    if len(rows) == len(params):
+        return _candidates_cut(logits, params)
+    out = logits.clone()
+    if rows:
+        index = _long(rows, logits.device)
+        out[index] = _candidates_cut(logits[index], [params[i] for i in rows])
+    return out
+
+
+def _candidates_cut(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Each row's cut as ``_sorted_cut`` makes it, looked for among the row's ``CUT_CANDIDATES``
+    largest logits (a partial top-k: 64 rows of a 49k vocabulary, 7.5 against 142 ms for the full
+    sort on a Zen 3). A row whose cut may lie past them (a top_k above them, or a top_p or min_p
+    that keeps every candidate: a flat distribution) is sorted whole instead."""
+    vocab = logits.shape[1]
+    width = min(vocab, CUT_CANDIDATES)
+    top_k = [min(p.top_k or vocab, vocab) for p in params]
+    values, order = logits.topk(width, dim=-1)
+    k = _long(top_k, logits.device).unsqueeze(1)
+    values.masked_fill_(torch.arange(width, device=logits.device) >= k, float("-inf"))
+    # top_p's mass is of the top k: among the candidates, or the whole row's without a top_k
+    whole = logits.logsumexp(dim=-1, keepdim=True)
+    drop = _drops(values - torch.where(k <= width, values.logsumexp(dim=-1, keepdim=True), whole), params)
+    values.masked_fill_(drop, float("-inf"))
+    out = torch.full_like(logits, float("-inf")).scatter_(1, order, values)
+    cut_within = drop.any(dim=-1).tolist()
+    beyond = [i for i, kk in enumerate(top_k) if kk > width and (kk < vocab or not cut_within[i])]
+    if beyond:
+        index = _long(beyond, logits.device)
+        out[index] = _sorted_cut(logits[index], [params[i] for i in beyond])
+    return out
+
+
+def _sorted_cut(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Top-k, then top-p and min-p over the renormalised top k, by sorting each row whole."""
+    vocab = logits.shape[1]
+    top_k = _long([min(p.top_k or vocab, vocab) for p in params], logits.device).unsqueeze(1)
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    sorted_logits.masked_fill_(torch.arange(vocab, device=logits.device) >= top_k, float("-inf"))
+    sorted_logits.masked_fill_(_drops(sorted_logits.log_softmax(dim=-1), params), float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _drops(logprobs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Over each row's log-probabilities in descending order: top_p keeps every token whose
+    predecessors hold less than p (top_p == 1 keeps all); min_p drops those under min_p of the first."""
+    top_p = _column([p.top_p for p in params], logprobs)
+    min_p = _column([p.min_p for p in params], logprobs)
+    probs = logprobs.exp()
+    mass_ahead = probs.cumsum(dim=-1) - probs
+    return ((mass_ahead >= top_p) & (top_p < 1.0)) | (probs < min_p * probs[:, :1])
 
 
 def _to_output(
