@@ -121,7 +121,8 @@ async def run_load(base_url: str, prompts: list[str], args: argparse.Namespace) 
                 "model": model,
                 "messages": [{"role": "user", "content": prompt}],
                 "max_tokens": max_tokens,
-                "temperature": 0,
+                "temperature": args.temperature,
+                **({"top_p": args.top_p} if args.top_p < 1.0 else {}),
                 "ignore_eos": True,
                 "stream": True,
                 "stream_options": {"include_usage": True},
@@ -309,6 +310,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", "none"))
     ap.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default); above: sampled")
+    ap.add_argument("--top-p", type=float, default=1.0, help="sent when under 1")
     ap.add_argument("--compare", metavar="URL2", help="a second server to run the same load against")
     ap.add_argument("--compare-label", default="compare")
     ap.add_argument("--start-atom", action="store_true", help="start `atom-anyio serve` here as the first target")
@@ -348,6 +351,8 @@ def main() -> None:
         "concurrency": args.concurrency,
         "prompt_len": args.prompt_len,
         "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
         "machine": machine(),
         "targets": {label: {k: _round(v) for k, v in r.items()} for label, r in rows.items()},
         "output_tok_s_ratio": {

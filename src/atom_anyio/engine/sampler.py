@@ -225,14 +225,16 @@ def _candidates_cut(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     sort on a Zen 3). A row whose cut may lie past them (a top_k above them, or a top_p or min_p
     that keeps every candidate: a flat distribution) is sorted whole instead."""
     vocab = logits.shape[1]
-    width = min(vocab, CUT_CANDIDATES)
     top_k = [min(p.top_k or vocab, vocab) for p in params]
+    width = min(CUT_CANDIDATES, max(top_k))  # every row's top k among them: no more
     values, order = logits.topk(width, dim=-1)
     k = _long(top_k, logits.device).unsqueeze(1)
     values.masked_fill_(torch.arange(width, device=logits.device) >= k, float("-inf"))
     # top_p's mass is of the top k: among the candidates, or the whole row's without a top_k
-    whole = logits.logsumexp(dim=-1, keepdim=True)
-    drop = _drops(values - torch.where(k <= width, values.logsumexp(dim=-1, keepdim=True), whole), params)
+    normaliser = values.logsumexp(dim=-1, keepdim=True)
+    if max(top_k) > width:
+        normaliser = torch.where(k <= width, normaliser, logits.logsumexp(dim=-1, keepdim=True))
+    drop = _drops(values - normaliser, params)
     values.masked_fill_(drop, float("-inf"))
     out = torch.full_like(logits, float("-inf")).scatter_(1, order, values)
     cut_within = drop.any(dim=-1).tolist()
