@@ -166,9 +166,7 @@ def _sample(
     logits: torch.Tensor, params: list[SamplingParams], seeds: list[int | None], steps: list[int]
 ) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p, then one uniform draw a row through the row's CDF."""
-    logits = logits / _column([p.temperature for p in params], logits)
-    if any(p.top_k or p.top_p < 1.0 or p.min_p for p in params):
-        logits = _top_k_top_p_min_p(logits, params)
+    logits = _top_k_top_p_min_p(logits / _column([p.temperature for p in params], logits), params)
     return _inverse_cdf(logits.softmax(dim=-1), _uniforms(seeds, steps, logits.device))
 
 
@@ -207,15 +205,16 @@ CUT_CANDIDATES = 256
 
 def _top_k_top_p_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """The rows that cut (top_k under the vocabulary, top_p under 1 or min_p over 0) cut; the
-    others keep their logits."""
+    others keep their logits (``logits`` itself when none cuts)."""
     vocab = logits.shape[1]
     rows = [i for i, p in enumerate(params) if 0 < (p.top_k or vocab) < vocab or p.top_p < 1.0 or p.min_p > 0]
+    if not rows:
+        return logits
     if len(rows) == len(params):
         return _candidates_cut(logits, params)
     out = logits.clone()
-    if rows:
-        index = _long(rows, logits.device)
-        out[index] = _candidates_cut(logits[index], [params[i] for i in rows])
+    index = _long(rows, logits.device)
+    out[index] = _candidates_cut(logits[index], [params[i] for i in rows])
     return out
 
 
