@@ -757,3 +757,13 @@ def test_the_thread_that_builds_an_engine_keeps_no_openmp_pool(tiny_model_dir):
         assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
     finally:
         torch.set_num_threads(previous)
+
+
+def test_the_cpu_is_named_with_its_family_and_model_numbers():
+    """Benchmarks' JSON lines and the load logs name the CPU; a VM's "AMD EPYC" alone does not
+    tell a Zen 3 from a Zen 4, the numbers do. Only the first processor's fields are read."""
+    zen4 = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\n"
+    other = "\nprocessor\t: 1\ncpu family\t: 6\nmodel\t\t: 167\nmodel name\t: Intel Xeon\n"
+    assert kernels.describe_cpu(zen4 + other) == "AMD EPYC (family 25 model 17)"
+    assert kernels.describe_cpu("model name\t: Some CPU\n") == "Some CPU"
+    assert kernels.describe_cpu("") == ""

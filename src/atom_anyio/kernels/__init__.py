@@ -89,14 +89,28 @@ def compiler_flags() -> list[str]:
 
 @functools.cache
 def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), or the platform's processor string."""
+    """The CPU's model name with its family and model numbers (``/proc/cpuinfo``), or the
+    platform's processor string."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
+        return describe_cpu(Path("/proc/cpuinfo").read_text()) or platform.processor()
     except OSError:
-        pass
-    return platform.processor()
+        return platform.processor()
+
+
+def describe_cpu(cpuinfo: str) -> str:
+    """The first processor's ``model name (family F model M)``. A VM's name is often the vendor's
+    line alone ("AMD EPYC" for a Zen 3, 4 or 5 alike); the numbers tell them apart (family 25
+    model 1: Zen 3; 17: Zen 4)."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if not key.strip():
+            break  # the blank line after the first processor
+        fields.setdefault(key.strip(), value.strip())
+    name = fields.get("model name", "")
+    if name and "cpu family" in fields and "model" in fields:
+        return f"{name} (family {fields['cpu family']} model {fields['model']})"
+    return name
 
 
 # the instruction-set flags that decide dtypes and kernel paths, as benchmarks and logs report them
