@@ -196,6 +196,27 @@ def test_a_masked_vocabulary_is_sampled_over_what_is_left():
     assert total_variation(tokens, masked.softmax(-1)) < 0.02
 
 
+def test_tokens_spread_over_the_cdf_blocks_are_drawn_in_proportion():
+    """The draw finds a block of CDF_BLOCK entries, then a token in it: tokens at both edges of a
+    block, alone in theirs, and in a shorter last block are each drawn as often as their probability."""
+    vocab = 3 * sampler_module.CDF_BLOCK + 37
+    allowed = torch.tensor([0, 255, 256, 300, 767, 768, vocab - 1])
+    logits = torch.full((vocab,), float("-inf"))
+    logits[allowed] = torch.tensor([0.5, 1.0, 0.0, 2.0, -1.0, 0.7, 1.5])
+    tokens = draws(logits, SamplingParams(temperature=1.0), 20_000)
+    assert set(tokens.tolist()) == set(allowed.tolist())
+    assert total_variation(tokens, logits.softmax(-1)) < 0.02
+
+
+def test_a_draw_at_the_total_takes_the_last_token_with_weight_past_masked_blocks():
+    """``u * total`` rounded up to the total passes no CDF entry: the last block with weight, and
+    its last entry with weight, stand in (never a masked token after them)."""
+    weights = torch.zeros(2, 4 * sampler_module.CDF_BLOCK)
+    weights[:, [3, 300, 301]] = torch.tensor([0.25, 0.5, 0.25])
+    u = torch.tensor([1.0, 0.5], dtype=torch.float64)
+    assert _inverse_cdf(weights, u).tolist() == [301, 300]
+
+
 def test_the_smallest_probabilities_keep_their_share_after_a_large_one():
     # 100k tokens of 4e-9 each after one of 0.9996: float32 CDF entries near 1 are an ulp (6e-8,
     # 15 of these tokens) apart, rounded to the nearest; so where the draw lands on a float32
@@ -219,7 +240,9 @@ def test_a_row_of_non_finite_logits_stays_in_range_for_the_next_step():
     assert int(out.ids.min()) >= 0 and int(out.ids.max()) < 500
 
 
-def test_the_cut_among_the_largest_logits_is_the_full_sorts_and_only_a_row_it_may_miss_is_sorted(monkeypatch):
+def test_the_cut_among_the_largest_logits_is_the_full_sorts_and_a_row_it_may_miss_looks_wider_then_sorts(monkeypatch):
+    """Candidates 256, then 4,096 for the rows whose cut may lie past them, then the full sort for
+    those whose cut may lie past those too (a vocabulary of 5,000: 16 x 4,096 is past it)."""
     vocab = 5000
     peaked, flat = random_logits(6, vocab, seed=1, scale=4.0), random_logits(4, vocab, seed=2, scale=0.05)
     logits = torch.cat([peaked, flat, random_logits(1, vocab, seed=3, scale=1.0)])
@@ -229,25 +252,33 @@ def test_the_cut_among_the_largest_logits_is_the_full_sorts_and_only_a_row_it_ma
         SamplingParams(temperature=1.0, top_k=200, top_p=0.5),
         SamplingParams(temperature=1.0, min_p=0.1),
         SamplingParams(temperature=1.0),  # no cut: its logits stay
-        SamplingParams(temperature=1.0, top_k=1000),  # above the candidates: sorted
-        SamplingParams(temperature=1.0, top_p=0.9),  # flat: every candidate kept, sorted
-        SamplingParams(temperature=1.0, min_p=0.5),  # flat: every candidate kept, sorted
+        SamplingParams(temperature=1.0, top_k=1000),  # above the first candidates, among the wider
+        SamplingParams(temperature=1.0, top_p=0.9),  # flat: every candidate kept, wider too: sorted
+        SamplingParams(temperature=1.0, min_p=0.5),  # flat: every candidate kept, wider too: sorted
         SamplingParams(temperature=1.0, top_k=100, top_p=0.95),  # flat, but the top 100 are candidates
         SamplingParams(temperature=1.0, top_p=0.001),  # flat, cut at the first
         # top_p of the top 1000's mass (57% of the row's): the cut is among the candidates, its
-        # measure is not: sorted
+        # measure is not: among the wider
         SamplingParams(temperature=1.0, top_k=1000, top_p=0.2),
     ]
-    sorted_rows = []
-    real = sampler_module._sorted_cut
+    looked: dict[int | str, list[int]] = {}
+    real, real_candidates = sampler_module._sorted_cut, sampler_module._candidates_cut
+
+    def rows_of(rows_params):
+        return [next(i for i, q in enumerate(params) if q is p) for p in rows_params]
 
     def spied(rows_logits, rows_params):
-        sorted_rows.extend(next(i for i, q in enumerate(params) if q is p) for p in rows_params)
+        looked["sorted"] = rows_of(rows_params)
         return real(rows_logits, rows_params)
 
+    def spied_candidates(rows_logits, rows_params, candidates=sampler_module.CUT_CANDIDATES):
+        looked[candidates] = rows_of(rows_params)
+        return real_candidates(rows_logits, rows_params, candidates)
+
     monkeypatch.setattr(sampler_module, "_sorted_cut", spied)
+    monkeypatch.setattr(sampler_module, "_candidates_cut", spied_candidates)
     cut = sampler_module._top_k_top_p_min_p(logits, params)
-    assert sorted_rows == [5, 6, 7, 10]
+    assert looked == {256: [0, 1, 2, 3, 5, 6, 7, 8, 9, 10], 4096: [5, 6, 7, 10], "sorted": [6, 7]}
     assert torch.equal(cut[4], logits[4])
     expected = torch.cat([real(logits[i : i + 1], [params[i]]) for i in range(len(params)) if i != 4])
     assert torch.equal(torch.cat([cut[:4], cut[5:]]).isfinite(), expected.isfinite())
