@@ -6,8 +6,10 @@ throughput.
     python benchmarks/serve.py --start-atom [--start-vllm PYTHON --vllm-model-dir DIR]
 
 Targets run one after the other with the same prompts; the table puts them side
-by side with each one's ratio to the first. Ends with one JSON line. Never
-fails on a number.
+by side with each one's ratio to the first. For a server started here, "cores
+busy" is the CPU seconds its processes (children included: vLLM's engine core)
+spent during the measured load over its wall time. Ends with one JSON line.
+Never fails on a number.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 
 import anyio
 import httpx
+import psutil
 from agentic import atom_command, free_port, launched
 from machine import machine
 from words import WORDS
@@ -43,10 +46,11 @@ class RequestResult:
 class Target:
     label: str
     url: str | None = None  # None: started by ``launch``
-    launch: Callable[[], AbstractContextManager[str]] | None = None
+    launch: Callable[[], AbstractContextManager[tuple[str, int | None]]] | None = None
 
-    def serving(self) -> AbstractContextManager[str]:
-        return self.launch() if self.launch else nullcontext(self.url)
+    def serving(self) -> AbstractContextManager[tuple[str, int | None]]:
+        """The target's URL and, where started here, its process id."""
+        return self.launch() if self.launch else nullcontext((self.url, None))
 
 
 # load
@@ -106,8 +110,20 @@ async def first_model(client: httpx.AsyncClient, base_url: str, headers: dict) -
     return resp.json()["data"][0]["id"]
 
 
-async def run_load(base_url: str, prompts: list[str], args: argparse.Namespace) -> dict:
-    """Send every prompt with ``concurrency`` workers on one shared client; the metrics."""
+def cpu_seconds(pid: int | None) -> float | None:
+    """User and system CPU seconds of process ``pid`` and its children so far (None: unknown)."""
+    if pid is None:
+        return None
+    try:
+        proc = psutil.Process(pid)
+        return sum(sum(p.cpu_times()[:2]) for p in [proc, *proc.children(recursive=True)])
+    except psutil.Error:
+        return None
+
+
+async def run_load(base_url: str, prompts: list[str], args: argparse.Namespace, pid: int | None = None) -> dict:
+    """Send every prompt with ``concurrency`` workers on one shared client; the metrics (with the
+    cores the server's processes kept busy, given its ``pid``)."""
     base_url = base_url.rstrip("/")
     headers = {"Authorization": f"Bearer {args.api_key}"}
     limits = httpx.Limits(max_connections=args.concurrency + 4, max_keepalive_connections=args.concurrency + 4)
@@ -138,12 +154,14 @@ async def run_load(base_url: str, prompts: list[str], args: argparse.Namespace) 
             for prompt in todo:  # the shared iterator hands each prompt to one worker
                 results.append(await one_request(client, url, body(prompt, args.max_tokens), headers))
 
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), cpu_seconds(pid)
         async with anyio.create_task_group() as tg:
             for _ in range(args.concurrency):
                 tg.start_soon(worker)
-        elapsed = time.perf_counter() - start
-    return summarize(model, results, elapsed)
+        elapsed, cpu_end = time.perf_counter() - start, cpu_seconds(pid)
+    summary = summarize(model, results, elapsed)
+    summary["cores_busy"] = None if cpu_start is None or cpu_end is None else (cpu_end - cpu_start) / elapsed
+    return summary
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -208,10 +226,10 @@ def vllm_command(args: argparse.Namespace, port: int) -> list[str]:
 
 def started(label: str, command: Callable[[argparse.Namespace, int], list[str]], env: dict, args) -> Target:
     @contextmanager
-    def launch() -> Iterator[str]:
+    def launch() -> Iterator[tuple[str, int | None]]:
         port = free_port()
         with launched(label, command(args, port), env, port, args.start_timeout) as target:
-            yield target.url
+            yield target.url, target.pid
 
     return Target(label, launch=launch)
 
@@ -268,6 +286,7 @@ ROWS = [
     ("output tokens", "mean_output_tokens", "{:.1f}"),
     ("errors", "errors", "{:d}"),
     ("elapsed s", "elapsed_s", "{:.1f}"),
+    ("cores busy", "cores_busy", "{:.2f}"),
 ]
 
 
@@ -336,9 +355,9 @@ def main() -> None:
     rows: dict[str, dict] = {}
     for target in targets(args):
         try:
-            with target.serving() as url:
+            with target.serving() as (url, pid):
                 print(f"running {target.label} at {url}", file=sys.stderr)
-                rows[target.label] = anyio.run(run_load, url, prompts, args)
+                rows[target.label] = anyio.run(run_load, url, prompts, args, pid)
         except (RuntimeError, httpx.HTTPError) as exc:  # one target down must not lose the others
             print(f"skipping {target.label}: {exc}", file=sys.stderr)
     if not rows:
