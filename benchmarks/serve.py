@@ -139,6 +139,7 @@ async def run_load(base_url: str, prompts: list[str], args: argparse.Namespace, 
                 "max_tokens": max_tokens,
                 "temperature": args.temperature,
                 **({"top_p": args.top_p} if args.top_p < 1.0 else {}),
+                **({"top_k": args.top_k} if args.top_k > 0 else {}),  # vLLM's extension, which both take
                 "ignore_eos": True,
                 "stream": True,
                 "stream_options": {"include_usage": True},
@@ -331,6 +332,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default); above: sampled")
     ap.add_argument("--top-p", type=float, default=1.0, help="sent when under 1")
+    ap.add_argument("--top-k", type=int, default=0, help="sent when over 0")
     ap.add_argument("--compare", metavar="URL2", help="a second server to run the same load against")
     ap.add_argument("--compare-label", default="compare")
     ap.add_argument("--start-atom", action="store_true", help="start `atom-anyio serve` here as the first target")
@@ -372,6 +374,7 @@ def main() -> None:
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
         "top_p": args.top_p,
+        "top_k": args.top_k,
         "machine": machine(),
         "targets": {label: {k: _round(v) for k, v in r.items()} for label, r in rows.items()},
         "output_tok_s_ratio": {

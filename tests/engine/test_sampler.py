@@ -242,16 +242,16 @@ def test_a_row_of_non_finite_logits_stays_in_range_for_the_next_step():
 
 def test_the_cut_among_the_largest_logits_is_the_full_sorts_and_a_row_it_may_miss_looks_wider_then_sorts(monkeypatch):
     """Candidates 256, then 4,096 for the rows whose cut may lie past them, then the full sort for
-    those whose cut may lie past those too (a vocabulary of 5,000: 16 x 4,096 is past it)."""
+    those whose cut may lie past those too (a vocabulary of 5,000: 16 x 4,096 is past it); each
+    row keeps the tokens the full sort's cut keeps, and its token is one of them."""
     vocab = 5000
-    peaked, flat = random_logits(6, vocab, seed=1, scale=4.0), random_logits(4, vocab, seed=2, scale=0.05)
+    peaked, flat = random_logits(5, vocab, seed=1, scale=4.0), random_logits(4, vocab, seed=2, scale=0.05)
     logits = torch.cat([peaked, flat, random_logits(1, vocab, seed=3, scale=1.0)])
     params = [
         SamplingParams(temperature=1.0, top_p=0.9),
         SamplingParams(temperature=1.0, top_k=40),
         SamplingParams(temperature=1.0, top_k=200, top_p=0.5),
         SamplingParams(temperature=1.0, min_p=0.1),
-        SamplingParams(temperature=1.0),  # no cut: its logits stay
         SamplingParams(temperature=1.0, top_k=1000),  # above the first candidates, among the wider
         SamplingParams(temperature=1.0, top_p=0.9),  # flat: every candidate kept, wider too: sorted
         SamplingParams(temperature=1.0, min_p=0.5),  # flat: every candidate kept, wider too: sorted
@@ -262,28 +262,70 @@ def test_the_cut_among_the_largest_logits_is_the_full_sorts_and_a_row_it_may_mis
         SamplingParams(temperature=1.0, top_k=1000, top_p=0.2),
     ]
     looked: dict[int | str, list[int]] = {}
+    kept: dict[int, set[int]] = {}
     real, real_candidates = sampler_module._sorted_cut, sampler_module._candidates_cut
 
     def rows_of(rows_params):
         return [next(i for i, q in enumerate(params) if q is p) for p in rows_params]
 
     def spied(rows_logits, rows_params):
+        out = real(rows_logits, rows_params)
         looked["sorted"] = rows_of(rows_params)
-        return real(rows_logits, rows_params)
+        for j, i in enumerate(looked["sorted"]):
+            kept[i] = set(out[j].isfinite().nonzero().flatten().tolist())
+        return out
 
-    def spied_candidates(rows_logits, rows_params, candidates=sampler_module.CUT_CANDIDATES):
+    def spied_candidates(rows_logits, rows_params, candidates):
+        order, values, beyond = real_candidates(rows_logits, rows_params, candidates)
         looked[candidates] = rows_of(rows_params)
-        return real_candidates(rows_logits, rows_params, candidates)
+        for j, i in enumerate(looked[candidates]):
+            if j not in beyond:
+                kept[i] = set(order[j][values[j].isfinite()].tolist())
+        return order, values, beyond
 
     monkeypatch.setattr(sampler_module, "_sorted_cut", spied)
     monkeypatch.setattr(sampler_module, "_candidates_cut", spied_candidates)
-    cut = sampler_module._top_k_top_p_min_p(logits, params)
-    assert looked == {256: [0, 1, 2, 3, 5, 6, 7, 8, 9, 10], 4096: [5, 6, 7, 10], "sorted": [6, 7]}
-    assert torch.equal(cut[4], logits[4])
-    expected = torch.cat([real(logits[i : i + 1], [params[i]]) for i in range(len(params)) if i != 4])
-    assert torch.equal(torch.cat([cut[:4], cut[5:]]).isfinite(), expected.isfinite())
-    assert torch.equal(cut[cut.isfinite()], logits[cut.isfinite()])
-    assert 3 < int(cut[0].isfinite().sum()) < 256 and int(cut[6].isfinite().sum()) > 256
+    u = torch.rand(len(params), dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    tokens = sampler_module._cut_and_draw(logits.clone(), params, u).tolist()
+    assert looked == {256: list(range(10)), 4096: [4, 5, 6, 9], "sorted": [5, 6]}
+    for i, p in enumerate(params):
+        expected = set(real(logits[i : i + 1], [p])[0].isfinite().nonzero().flatten().tolist())
+        assert kept[i] == expected, i
+        assert tokens[i] in expected
+    assert 3 < len(kept[0]) < 256 and len(kept[5]) > 256
+
+
+def test_a_seeded_row_that_cuts_draws_the_same_alone_and_beside_other_rows():
+    """A cut row draws among its kept candidates; how many candidates the batch looks among (the
+    largest top_k of its rows) and the rows beside it (cut, whole, greedy) do not change its token."""
+    row = random_logits(1, 3000, seed=8, scale=2.0)
+    others = [
+        SamplingParams(temperature=1.0, top_k=200),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0),
+    ]
+    batch = torch.cat([random_logits(3, 3000, seed=9), row])
+    for p in (
+        SamplingParams(temperature=0.8, top_k=40, seed=5),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=5),
+        SamplingParams(temperature=0.8, min_p=0.05, seed=5),
+    ):
+        drawn = []
+        for step in range(6):
+            alone = sample(row, [p], outputs=[[0] * step])[0]
+            assert sample(batch, [*others, p], outputs=[[], [], [], [0] * step])[3] == alone
+            drawn.append(alone)
+        assert len(set(drawn)) > 1
+
+
+def test_a_cut_row_is_drawn_in_proportion_among_what_it_keeps():
+    logits = random_logits(1, 320, seed=6, scale=1.0)[0]  # the candidates are 256 of them
+    kept = logits.topk(3).indices
+    tokens = draws(logits, SamplingParams(temperature=1.0, top_k=3), 20_000)
+    top3 = torch.full_like(logits, float("-inf"))
+    top3[kept] = logits[kept]
+    assert set(tokens.tolist()) == set(kept.tolist())
+    assert total_variation(tokens, top3.softmax(-1)) < 0.02
 
 
 def test_presence_penalty_subtracts_once_per_seen_token():

@@ -169,11 +169,27 @@ def _apply_penalties(logits: torch.Tensor, inputs: SamplingInputs) -> None:
 def _sample(
     logits: torch.Tensor, params: list[SamplingParams], seeds: list[int | None], steps: list[int]
 ) -> torch.Tensor:
-    """Temperature, top-k, top-p, min-p, then one uniform draw a row through the row's CDF."""
-    logits = _top_k_top_p_min_p(logits / _column([p.temperature for p in params], logits), params)
-    # a tensor of this function's own (the division's, or the cut's): weighed in place, unnormalised
-    weights = logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()
-    return _inverse_cdf(weights, _uniforms(seeds, steps, logits.device))
+    """Temperature, then one uniform draw a row: through the whole row's CDF, or for a row that
+    cuts (top_k under the vocabulary, top_p under 1 or min_p over 0) through its kept tokens'."""
+    scaled = logits / _column([p.temperature for p in params], logits)  # this function's own: changed in place
+    u = _uniforms(seeds, steps, logits.device)
+    vocab = scaled.shape[1]
+    cut = [i for i, p in enumerate(params) if 0 < (p.top_k or vocab) < vocab or p.top_p < 1.0 or p.min_p > 0]
+    if not cut:
+        return _inverse_cdf(_weights(scaled), u)
+    if len(cut) == len(params):
+        return _cut_and_draw(scaled, params, u)
+    tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
+    whole = _long([i for i in range(len(params)) if i not in set(cut)], logits.device)
+    tokens[whole] = _inverse_cdf(_weights(scaled[whole]), u[whole])
+    index = _long(cut, logits.device)
+    tokens[index] = _cut_and_draw(scaled[index], [params[i] for i in cut], u[index])
+    return tokens
+
+
+def _weights(logits: torch.Tensor) -> torch.Tensor:
+    """``exp(logit - row max)``, unnormalised, in place (``logits`` must be the caller's own)."""
+    return logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()
 
 
 # the vocabulary entries a CDF block sums: the draw finds its block among a row's block sums, then
@@ -244,30 +260,34 @@ def _uniforms(seeds: list[int | None], steps: list[int], device: torch.device) -
 CUT_CANDIDATES = 256
 
 
-def _top_k_top_p_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """The rows that cut (top_k under the vocabulary, top_p under 1 or min_p over 0) cut; the
-    others keep their logits (``logits`` itself when none cuts)."""
+def _cut_and_draw(
+    logits: torch.Tensor, params: list[SamplingParams], u: torch.Tensor, candidates: int = CUT_CANDIDATES
+) -> torch.Tensor:
+    """Each row's top-k / top-p / min-p cut, looked for among its ``candidates`` largest logits,
+    and its token drawn among the tokens it keeps there. A row whose cut may lie past them (a top_k
+    above them, or a top_p or min_p that keeps every candidate: a flat distribution) looks among 16
+    times as many, and is sorted whole where that is not under the vocabulary (a row of 49k: 0.3 ms
+    for its top 4,096 against 1.7 ms sorted, Zen 4). Which of these decides a row depends on the
+    row alone, so a seeded row's token is the same in any batch."""
     vocab = logits.shape[1]
-    rows = [i for i, p in enumerate(params) if 0 < (p.top_k or vocab) < vocab or p.top_p < 1.0 or p.min_p > 0]
-    if not rows:
-        return logits
-    if len(rows) == len(params):
-        return _candidates_cut(logits, params)
-    out = logits.clone()
-    index = _long(rows, logits.device)
-    out[index] = _candidates_cut(logits[index], [params[i] for i in rows])
-    return out
+    if candidates >= vocab:
+        return _inverse_cdf(_weights(_sorted_cut(logits, params)), u)
+    order, values, beyond = _candidates_cut(logits, params, candidates)
+    tokens = _draw_among(order, values, u)
+    if beyond:
+        index = _long(beyond, logits.device)
+        rows = [params[i] for i in beyond]
+        tokens[index] = _cut_and_draw(logits[index], rows, u[index], candidates * 16)
+    return tokens
 
 
 def _candidates_cut(
-    logits: torch.Tensor, params: list[SamplingParams], candidates: int = CUT_CANDIDATES
-) -> torch.Tensor:
-    """Each row's cut as ``_sorted_cut`` makes it, looked for among the row's ``candidates``
-    largest logits (a partial top-k: 64 rows of a 49k vocabulary, 7.5 against 142 ms for the full
-    sort on a Zen 3). A row whose cut may lie past them (a top_k above them, or a top_p or min_p
-    that keeps every candidate: a flat distribution) looks among 16 times as many, and is sorted
-    whole where that is not under the vocabulary (a row of 49k: 0.3 ms for its top 4,096 against
-    1.7 ms sorted, Zen 4)."""
+    logits: torch.Tensor, params: list[SamplingParams], candidates: int
+) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Each row's cut as ``_sorted_cut`` makes it, among the row's ``candidates`` largest logits
+    (a partial top-k: 64 rows of a 49k vocabulary, 7.5 against 142 ms for the full sort on a Zen
+    3): their ids, their logits (-inf where cut; the first, the row's largest, is always kept),
+    and the rows whose cut may lie past them."""
     vocab = logits.shape[1]
     top_k = [min(p.top_k or vocab, vocab) for p in params]
     width = min(candidates, max(top_k))  # every row's top k among them: no more
@@ -280,14 +300,18 @@ def _candidates_cut(
         normaliser = torch.where(k <= width, normaliser, logits.logsumexp(dim=-1, keepdim=True))
     drop = _drops(values - normaliser, params)
     values.masked_fill_(drop, float("-inf"))
-    out = torch.full_like(logits, float("-inf")).scatter_(1, order, values)
     cut_within = drop.any(dim=-1).tolist()
     beyond = [i for i, kk in enumerate(top_k) if kk > width and (kk < vocab or not cut_within[i])]
-    if beyond:
-        index, wider = _long(beyond, logits.device), candidates * 16
-        rows = [params[i] for i in beyond]
-        out[index] = _candidates_cut(logits[index], rows, wider) if wider < vocab else _sorted_cut(logits[index], rows)
-    return out
+    return order, values, beyond
+
+
+def _draw_among(order: torch.Tensor, values: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Row i's token among its candidates (ids ``order``, logits ``values`` largest first, -inf
+    where cut) through their float64 CDF, largest first. A row's token does not depend on how many
+    candidates the batch looked among: the extra ones come after its own, cut (exact zeros)."""
+    weights = (values - values[:, :1]).exp_()
+    column, _ = _first_passing(weights.double(), u)
+    return order.gather(1, column.unsqueeze(1)).squeeze(1)
 
 
 def _sorted_cut(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
