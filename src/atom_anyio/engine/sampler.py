@@ -67,14 +67,14 @@ class Sampler:
             token_ids = _sample(processed, params, inputs.seeds, [len(out) for out in inputs.output_token_ids])
         else:
             token_ids = processed.argmax(dim=-1)
-        if rows and len(rows) < len(params):
-            index = _long(rows, logits.device)
-            token_ids[index] = _sample(
-                processed[index],
-                [params[i] for i in rows],
-                [inputs.seeds[i] for i in rows],
-                [len(inputs.output_token_ids[i]) for i in rows],
-            )
+            if rows:
+                index = _long(rows, logits.device)
+                token_ids[index] = _sample(
+                    processed[index],
+                    [params[i] for i in rows],
+                    [inputs.seeds[i] for i in rows],
+                    [len(inputs.output_token_ids[i]) for i in rows],
+                )
         return _to_output(logits, token_ids, params, finite)
 
 
