@@ -28,6 +28,7 @@ LOG_FORMATS = ("json", "console", "auto")
 # read where they are used: the loader's conversion cache; the CPU kind the kernels are built for (process-wide)
 NOT_SETTINGS = ("ATOM_CACHE_DIR", "ATOM_KERNEL_ISA")
 CONTEXT_OVERFLOW = ("error", "drop_oldest")
+MAX_TOKENS_PAST_CONTEXT = ("clamp", "error")
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,12 @@ class Config:
     dtype: str = setting("auto", f"one of {', '.join(DTYPES)}; auto: the fastest faithful one for the device")
     gguf_weights: str = setting(
         "auto", "a GGUF's quantized layers: packed (CPU), dequantize, or auto (packed on the CPU when dtype is auto)"
+    )
+    hf_overrides: dict[str, Any] = setting(
+        {},
+        "JSON object merged into the model's config (vLLM's --hf-overrides), e.g. a YaRN rope_scaling and "
+        "max_position_embeddings for a longer context; a GGUF takes the same keys, or its metadata keys "
+        "(llama.context_length)",
     )
     device: str = setting("cpu", "cpu, cuda, cuda:N")
     attention_backend: str = setting("auto", f"one of {', '.join(BACKENDS)} (docs/engine.md)")
@@ -51,6 +58,9 @@ class Config:
     chat_template: str | None = setting(None, "a chat template file or the template itself (default: the model's)")
     default_chat_template_kwargs: dict[str, Any] = setting({}, "JSON object of template variables for every request")
     context_overflow: str = setting("error", "a chat over the context: error, or drop_oldest messages")
+    max_tokens_past_context: str = setting(
+        "clamp", "a max_tokens past what the context leaves: clamp (the completion gets the rest), or error (vLLM)"
+    )
     reasoning_parser: str = setting("auto", "auto (from the chat template), none, or a parser name")
     tool_call_parser: str = setting("auto", "auto (from the chat template), none, hermes, qwen3_coder, ...")
     log_format: str = setting("auto", "json, console, or auto (console on a TTY)")
@@ -76,6 +86,7 @@ class Config:
 
     def __post_init__(self) -> None:
         _one_of("context_overflow", self.context_overflow, CONTEXT_OVERFLOW)
+        _one_of("max_tokens_past_context", self.max_tokens_past_context, MAX_TOKENS_PAST_CONTEXT)
         _one_of("attention_backend", self.attention_backend, BACKENDS)
         _one_of("dtype", self.dtype, DTYPES)
         _one_of("gguf_weights", self.gguf_weights, GGUF_WEIGHTS)

@@ -61,6 +61,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         gguf_weights: str | None = None,
         batch_invariant: bool | None = None,
+        hf_overrides: dict[str, Any] | None = None,
         **engine_kwargs: Any,
     ):
         log_to_stderr_by_default()
@@ -79,6 +80,7 @@ class LLM:
                 tensor_parallel_size,
                 gguf_weights=gguf_weights,
                 batch_invariant=batch_invariant,
+                hf_overrides=hf_overrides if hf_overrides is not None else env_setting("hf_overrides"),
             )
         self.engine = Engine(self.loaded, EngineConfig(**engine_kwargs, tensor_parallel_size=tensor_parallel_size))
         self.tokenizer = self.loaded.tokenizer

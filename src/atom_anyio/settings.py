@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
 import typing
 from collections.abc import Callable
 from typing import Any
@@ -52,8 +53,9 @@ def parse_setting(cls: type, f: dataclasses.Field, raw: str, source: str) -> Any
 
 
 def _parser(hint: Any) -> Callable[[str], Any]:
-    args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
-    kind = typing.get_origin(args[0]) or args[0]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):  # X | None: X
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    kind = typing.get_origin(hint) or hint
     if kind is bool:
         return _bool
     if kind is dict:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import json
 import random
+import re
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -490,15 +491,47 @@ async def test_stop_string_finishes_a_stream_with_stop(client):
 # context rules
 
 
-async def test_prompt_plus_max_tokens_over_the_context_is_refused(client):
-    prompt_tokens = (await post(client, "/tokenize", {"messages": chat()["messages"]}))["count"]
-    data = await post(client, "/v1/chat/completions", chat(max_tokens=MAX_MODEL_LEN), status=400)
-    assert_openai_error(data, code="context_length_exceeded")
-    message = data["error"]["message"]
-    assert f"maximum context length is {MAX_MODEL_LEN} tokens" in message
-    assert f"{prompt_tokens + MAX_MODEL_LEN} tokens" in message
-    assert f"{prompt_tokens} in the messages" in message
-    assert f"{MAX_MODEL_LEN} in the completion" in message
+async def test_max_tokens_past_the_context_is_clamped_in_every_api(tiny_model):
+    """Agent CLIs ask max_tokens 32000 whatever the model: the completion gets the rest of the context."""
+    async with serve(tiny_model, max_model_len=128) as small:
+        client = small.quart.test_client()
+        data = await post(client, "/v1/chat/completions", chat(**greedy(32000)))
+        usage = data["usage"]
+        assert data["choices"][0]["finish_reason"] == "length"
+        assert usage["prompt_tokens"] + usage["completion_tokens"] == 128
+        data = await post(client, "/v1/completions", {"prompt": list(range(100, 200)), **greedy(32000)})
+        assert (data["choices"][0]["finish_reason"], data["usage"]["completion_tokens"]) == ("length", 28)
+        body = {"input": "Tell me about rivers.", "max_output_tokens": 32000, "temperature": 0}
+        usage = (await post(client, "/v1/responses", body))["usage"]
+        assert 0 < usage["input_tokens"] + usage["output_tokens"] <= 128
+        body = {"model": "x", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32000, "temperature": 0}
+        usage = (await post(client, "/v1/messages", {**body, "model": small.runtime.model_name}))["usage"]
+        assert 0 < usage["input_tokens"] + usage["output_tokens"] <= 128
+
+
+async def test_max_tokens_past_the_context_is_refused_when_the_setting_says_error(tiny_model):
+    async with serve(tiny_model, max_model_len=MAX_MODEL_LEN, max_tokens_past_context="error") as strict:
+        client = strict.quart.test_client()
+        prompt_tokens = (await post(client, "/tokenize", {"messages": chat()["messages"]}))["count"]
+        data = await post(client, "/v1/chat/completions", chat(max_tokens=MAX_MODEL_LEN), status=400)
+        assert_openai_error(data, code="context_length_exceeded")
+        message = data["error"]["message"]
+        assert f"maximum context length is {MAX_MODEL_LEN} tokens" in message
+        assert f"{prompt_tokens + MAX_MODEL_LEN} tokens" in message
+        assert f"{prompt_tokens} in the messages" in message
+        assert f"{MAX_MODEL_LEN} in the completion" in message
+
+
+async def test_a_prompt_past_the_context_is_refused_in_anthropics_words_on_messages(client, atom):
+    body = {
+        "model": atom.runtime.model_name,
+        "messages": [{"role": "user", "content": "river " * MAX_MODEL_LEN}],
+        "max_tokens": 32000,
+    }
+    r = await client.post("/v1/messages", json=body)
+    data = await r.get_json()
+    assert r.status_code == 400 and data["error"]["type"] == "invalid_request_error"
+    assert re.fullmatch(rf"prompt is too long: \d+ tokens > {MAX_MODEL_LEN - 1} maximum", data["error"]["message"])
 
 
 async def test_omitted_max_tokens_runs_to_the_end_of_the_context(tiny_model):

@@ -453,10 +453,34 @@ def test_prompt_that_fits_is_unchanged_and_max_tokens_defaults_to_the_rest(tiny_
     )
 
 
-def test_overflow_is_a_400_stating_context_prompt_and_completion_tokens(tiny_tokenizer):
+def test_max_tokens_past_the_context_is_clamped_to_the_rest_of_it(tiny_tokenizer):
     messages = _chat(10)
     num_prompt = _num_tokens(tiny_tokenizer, messages)
     ctx = _context(tiny_tokenizer, max_model_len=num_prompt + 50)
+    for asked, granted in ((50, 50), (51, 50), (32000, 50)):
+        request = PromptRequest(messages=messages, params=SamplingParams(max_tokens=asked))
+        assert prepare_prompt(request, ctx).request.max_tokens == granted
+    small_pool = _context(tiny_tokenizer, max_model_len=num_prompt + 50, max_kv_tokens=num_prompt + 10)
+    request = PromptRequest(messages=messages, params=SamplingParams(max_tokens=32000))
+    assert prepare_prompt(request, small_pool).request.max_tokens == 10
+
+
+def test_prompt_that_leaves_no_room_is_a_400_in_both_apis_words(tiny_tokenizer):
+    messages = _chat(10)
+    num_prompt = _num_tokens(tiny_tokenizer, messages)
+    ctx = _context(tiny_tokenizer, max_model_len=num_prompt)
+    with pytest.raises(PromptError) as error:
+        prepare_prompt(PromptRequest(messages=messages, params=SamplingParams(max_tokens=32000)), ctx)
+    assert (error.value.code, error.value.param) == ("context_length_exceeded", "messages")
+    assert f"maximum context length is {num_prompt} tokens" in error.value.message
+    # Anthropic's wording, which Claude Code parses to compact the conversation and retry
+    assert error.value.anthropic_message == f"prompt is too long: {num_prompt} tokens > {num_prompt - 1} maximum"
+
+
+def test_max_tokens_past_the_context_is_refused_when_clamping_is_off(tiny_tokenizer):
+    messages = _chat(10)
+    num_prompt = _num_tokens(tiny_tokenizer, messages)
+    ctx = _context(tiny_tokenizer, max_model_len=num_prompt + 50, clamp_max_tokens=False)
     assert (
         prepare_prompt(PromptRequest(messages=messages, params=SamplingParams(max_tokens=50)), ctx).request.max_tokens
         == 50
@@ -467,6 +491,10 @@ def test_overflow_is_a_400_stating_context_prompt_and_completion_tokens(tiny_tok
     assert f"maximum context length is {num_prompt + 50} tokens" in error.value.message
     assert f"you requested {num_prompt + 51} tokens ({num_prompt} in the messages, 51 in the completion)" in str(
         error.value
+    )
+    assert error.value.anthropic_message == (
+        f"input length and `max_tokens` exceed context limit: {num_prompt} + 51 > {num_prompt + 50}, "
+        "decrease input length or `max_tokens` and try again"
     )
 
 
@@ -493,9 +521,14 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(tiny_tokenizer):
         PromptRequest(messages=messages, truncate_prompt_tokens=-1, params=SamplingParams(max_tokens=20)), ctx
     )
     assert fitted.token_ids == full.token_ids[-180:]
-    with pytest.raises(PromptError) as error:  # still no room for the completion
+    cut_short = prepare_prompt(  # the completion gets what the cut prompt leaves
+        PromptRequest(messages=messages, truncate_prompt_tokens=150, params=SamplingParams(max_tokens=51)), ctx
+    )
+    assert (cut_short.num_prompt_tokens, cut_short.request.max_tokens) == (150, 50)
+    with pytest.raises(PromptError) as error:  # or, with clamping off, no room for the completion
         prepare_prompt(
-            PromptRequest(messages=messages, truncate_prompt_tokens=150, params=SamplingParams(max_tokens=51)), ctx
+            PromptRequest(messages=messages, truncate_prompt_tokens=150, params=SamplingParams(max_tokens=51)),
+            _context(tiny_tokenizer, max_model_len=200, clamp_max_tokens=False),
         )
     assert error.value.code == "context_length_exceeded"
 
@@ -548,6 +581,13 @@ def test_drop_oldest_that_cannot_fit_is_refused(tiny_tokenizer):
     assert f"({num_latest} in the messages, 1 in the completion)" in error.value.message
 
 
+def test_a_cut_under_a_max_tokens_of_the_whole_context_leaves_the_rest_to_the_completion(tiny_tokenizer):
+    ctx = _context(tiny_tokenizer, max_model_len=1000, context_overflow="drop_oldest")
+    prepared = prepare_prompt(PromptRequest(messages=_chat(100), params=SamplingParams(max_tokens=5000)), ctx)
+    assert prepared.num_dropped_messages > 0
+    assert prepared.num_prompt_tokens + prepared.request.max_tokens == 1000
+
+
 @pytest.mark.parametrize(
     "request_kwargs",
     [
@@ -558,7 +598,8 @@ def test_drop_oldest_that_cannot_fit_is_refused(tiny_tokenizer):
     ],
 )
 def test_impossible_cuts_are_refused(tiny_tokenizer, request_kwargs):
-    ctx = _context(tiny_tokenizer, max_model_len=1000, context_overflow="drop_oldest")
+    """With clamping off, a cut that leaves no room for the completion asked for."""
+    ctx = _context(tiny_tokenizer, max_model_len=1000, context_overflow="drop_oldest", clamp_max_tokens=False)
     with pytest.raises(PromptError) as error:
         prepare_prompt(PromptRequest(messages=_chat(100), **request_kwargs), ctx)
     assert error.value.code == "context_length_exceeded"

@@ -171,10 +171,11 @@ def test_prompt_longer_than_the_context_is_context_length_exceeded(client, model
     assert str(MAX_MODEL_LEN) in info.value.body["message"]
 
 
-def test_max_tokens_beyond_the_context_is_context_length_exceeded(client, model) -> None:
-    with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=model, prompt="The river", max_tokens=MAX_MODEL_LEN)
-    assert info.value.code == "context_length_exceeded"
+def test_max_tokens_beyond_the_context_is_clamped_to_the_rest_of_it(client, model) -> None:
+    prompt = "river " * (MAX_MODEL_LEN - 40)
+    out = client.completions.create(model=model, prompt=prompt, max_tokens=32000, extra_body={"ignore_eos": True})
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.prompt_tokens + out.usage.completion_tokens == MAX_MODEL_LEN
 
 
 def test_wrong_api_key_is_an_authentication_error(server, model) -> None:

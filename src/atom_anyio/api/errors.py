@@ -48,6 +48,7 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         headers: dict[str, str] | None = None,
+        anthropic_message: str | None = None,
     ):
         super().__init__(message)
         self.status = status
@@ -55,6 +56,7 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.headers = headers or {}
+        self.anthropic_message = anthropic_message  # the Messages API's own wording, where its clients read it
 
     def openai(self) -> dict[str, Any]:
         return {
@@ -73,7 +75,10 @@ class APIError(Exception):
     def anthropic(self) -> dict[str, Any]:
         return {
             "type": "error",
-            "error": {"type": ANTHROPIC_TYPES.get(self.status, "api_error"), "message": self.message},
+            "error": {
+                "type": ANTHROPIC_TYPES.get(self.status, "api_error"),
+                "message": self.anthropic_message or self.message,
+            },
         }
 
 

@@ -222,7 +222,7 @@ def _prepare_all(requests: list[PromptRequest], ctx: PrepareContext) -> list[Pre
 
 
 def _bad_prompt(exc: PromptError) -> APIError:
-    return APIError(400, exc.message, param=exc.param, code=exc.code)
+    return APIError(400, exc.message, param=exc.param, code=exc.code, anthropic_message=exc.anthropic_message)
 
 
 @asynccontextmanager
@@ -322,6 +322,7 @@ def _load(config: Config) -> LoadedModel:
             tp,
             gguf_weights=config.gguf_weights,
             batch_invariant=config.batch_invariant,
+            hf_overrides=config.hf_overrides,
         )
     except (ValueError, FileNotFoundError) as exc:
         raise ConfigError(f"model {config.model or '(default)'}: {exc}") from None
@@ -347,6 +348,7 @@ def _prepare_context(config: Config, loaded: LoadedModel, engine: Engine, gramma
         chat_template=template or loaded.chat_template,
         default_chat_template_kwargs=config.default_chat_template_kwargs,
         context_overflow=config.context_overflow,
+        clamp_max_tokens=config.max_tokens_past_context == "clamp",
         default_max_tokens=loaded.generation_defaults.get("max_tokens"),
         reasoning_parser=config.reasoning_parser,
         tool_call_parser=config.tool_call_parser,

@@ -224,7 +224,15 @@ def main(fd: int, parent: int) -> int:
         torch.set_num_threads(spec.num_threads)
         s = spec.source
         loaded = load_model(
-            s.path, s.dtype, device, s.attention_backend, spec.size, spec.rank, s.gguf_weights, s.batch_invariant
+            s.path,
+            s.dtype,
+            device,
+            s.attention_backend,
+            spec.size,
+            spec.rank,
+            s.gguf_weights,
+            s.batch_invariant,
+            s.hf_overrides,
         )
         worker = Worker(
             loaded.model,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,6 +120,42 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             architecture=arch,
         )
+
+
+# Hugging Face config keys that a config built from elsewhere (a GGUF's metadata) takes as overrides
+ROPE_KEYS = ("rope_scaling", "rope_parameters", "rope_theta", "partial_rotary_factor")
+FIELD_KEYS = ("max_position_embeddings", "rms_norm_eps", "sliding_window", "bos_token_id")
+
+
+def merge_hf_overrides(cfg: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``config.json`` with ``overrides`` over it; ``rope_scaling`` and transformers 5's
+    ``rope_parameters`` name one thing, so an override of either replaces both (keeping the theta)."""
+    merged = {**cfg, **overrides}
+    rope = overrides.get("rope_parameters") or overrides.get("rope_scaling")
+    if rope is not None:
+        theta = merged.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta")
+        merged["rope_parameters"] = merged["rope_scaling"] = {**({"rope_theta": theta} if theta else {}), **rope}
+    return merged
+
+
+def with_hf_overrides(cfg: ModelConfig, overrides: Mapping[str, Any]) -> ModelConfig:
+    """``cfg`` with Hugging Face config keys over it, as ``from_hf`` reads them (``eos_token_id``
+    replaces the end tokens; the RoPE keys are standardised by ``hf_rope``, a YaRN's original
+    context defaulting to the overridden ``max_position_embeddings``)."""
+    if unknown := overrides.keys() - {*ROPE_KEYS, *FIELD_KEYS, "eos_token_id"}:
+        raise ValueError(
+            f"hf_overrides: {', '.join(sorted(unknown))} cannot override a GGUF's config (keys taken: "
+            f"{', '.join((*ROPE_KEYS, *FIELD_KEYS, 'eos_token_id'))}, or GGUF metadata keys such as llama.context_length)"
+        )
+    changes: dict[str, Any] = {k: overrides[k] for k in FIELD_KEYS if k in overrides}
+    if "eos_token_id" in overrides:
+        eos = overrides["eos_token_id"]
+        changes["eos_token_ids"] = tuple(eos) if isinstance(eos, list) else (eos,)
+    if any(k in overrides for k in ROPE_KEYS):
+        max_len = changes.get("max_position_embeddings", cfg.max_position_embeddings)
+        base = {"rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling, "max_position_embeddings": max_len}
+        changes["rope_theta"], changes["rope_scaling"] = hf_rope({**base, **overrides})
+    return dataclasses.replace(cfg, **changes)
 
 
 def hf_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

@@ -10,6 +10,7 @@ import re
 import shutil
 import tempfile
 from collections import defaultdict
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from atom_anyio.models import quant
-from atom_anyio.models.decoder import FULL, SLIDING, ModelConfig
+from atom_anyio.models.decoder import FULL, SLIDING, ModelConfig, with_hf_overrides
 from atom_anyio.models.moe import MoeConfig
 
 StateDict = dict[str, torch.Tensor]
@@ -72,16 +73,23 @@ def load_gguf_weights(path: str) -> tuple[ModelConfig, StateDict]:
 
 
 def read_gguf(
-    path: str, keep_quantized: bool = False, dtype: torch.dtype = torch.float32
+    path: str,
+    keep_quantized: bool = False,
+    dtype: torch.dtype = torch.float32,
+    overrides: Mapping[str, Any] | None = None,
 ) -> tuple[ModelConfig, StateDict, dict[str, Any]]:
     """Config, weights and metadata; ``keep_quantized``: the linear layers' and the
     embedding's tensors of the types in ``quant.BLOCKS`` as ``QuantizedWeight``s.
-    Stacked experts are always dequantized, to ``dtype``."""
+    Stacked experts are always dequantized, to ``dtype``. ``overrides``: metadata keys
+    (``llama.context_length``) replace the file's, then Hugging Face config keys apply
+    (``with_hf_overrides``)."""
     reader = gguf.GGUFReader(path)
     metadata = {k: field.contents() for k, field in reader.fields.items() if k not in GGUF_TOKENIZER_ARRAYS}
+    metadata |= {k: v for k, v in (overrides or {}).items() if "." in k}
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     tensors = {t.name: t for t in reader.tensors}
     cfg = gguf_config(metadata, tensors, num_tokens=len(tokens.data) if tokens else None)
+    cfg = with_hf_overrides(cfg, {k: v for k, v in (overrides or {}).items() if "." not in k})
     experts = {name: t for name, t in tensors.items() if GGUF_EXPERTS.fullmatch(name)}
     state = {
         hf_name(name): gguf_tensor(t, keep_quantized)

@@ -12,6 +12,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from atom_anyio import kernels
 from atom_anyio.models import quant
 from atom_anyio.models.attention import CpuPagedAttention, select_backend
-from atom_anyio.models.decoder import LlamaForCausalLM, ModelConfig, pack_weights
+from atom_anyio.models.decoder import LlamaForCausalLM, ModelConfig, merge_hf_overrides, pack_weights
 from atom_anyio.models.generation_defaults import BUNDLED_MODEL_DEFAULTS, from_generation_config, from_gguf_metadata
 from atom_anyio.models.gguf_file import load_gguf_tokenizer, read_gguf
 from atom_anyio.models.moe import stack_experts
@@ -48,6 +49,7 @@ class ModelSource:
     attention_backend: str | None
     gguf_weights: str = "auto"
     batch_invariant: bool | None = None
+    hf_overrides: Mapping[str, Any] | None = None
 
 
 @dataclass
@@ -150,28 +152,30 @@ def load_model(
     rank: int = 0,
     gguf_weights: str = "auto",
     batch_invariant: bool | None = None,
+    hf_overrides: Mapping[str, Any] | None = None,
 ) -> LoadedModel:
     """Load a Hugging Face model directory or a ``.gguf`` file; ``None`` loads
     the default model. ``attention_backend``: see ``select_backend``. With
     ``tensor_parallel_size`` > 1, only ``rank``'s shard of the weights (models/tensor_parallel.py).
     ``gguf_weights``: see ``gguf_layout``. ``batch_invariant``: a sequence's logits do not depend on
     the rest of the batch, its chunking or its prefix-cache hits (``CpuPagedAttention``); None
-    (auto): where that costs nothing (``free_invariance_reason``)."""
+    (auto): where that costs nothing (``free_invariance_reason``). ``hf_overrides``: keys merged
+    into the model's config (vLLM's ``--hf-overrides``; ``with_hf_overrides``)."""
     path = os.fspath(path) if path else default_model_path()
-    source = ModelSource(path, dtype, str(device), attention_backend, gguf_weights, batch_invariant)
+    source = ModelSource(path, dtype, str(device), attention_backend, gguf_weights, batch_invariant, hf_overrides)
     device = torch.device(device)
     resolved = resolve_dtype(dtype, device)
     layout = gguf_layout(gguf_weights, dtype == "auto", resolved, device)
     keep_quantized, dtype = layout != "dequantize", resolved
     if path.endswith(".gguf"):
-        cfg, state, metadata = read_gguf(path, keep_quantized, dtype)
+        cfg, state, metadata = read_gguf(path, keep_quantized, dtype, hf_overrides)
         if "tokenizer.ggml.model" not in metadata:
             raise ValueError(f"{path} has no tokenizer metadata; serve it from a directory with tokenizer files")
         tokenizer = load_gguf_tokenizer(path, metadata["general.architecture"])
         chat_template, name = metadata.get("tokenizer.chat_template"), Path(path).stem
         generation = from_gguf_metadata(metadata) or (dict(BUNDLED_MODEL_DEFAULTS) if is_default_model(path) else {})
     elif os.path.isdir(path):
-        cfg, state = load_hf_weights(path)
+        cfg, state = load_hf_weights(path, hf_overrides)
         tokenizer = AutoTokenizer.from_pretrained(path)
         chat_template, name = tokenizer.chat_template, Path(path).resolve().name
         generation = from_generation_config(path)
@@ -261,10 +265,11 @@ def build_model(
 # Hugging Face directory
 
 
-def load_hf_weights(path: str) -> tuple[ModelConfig, StateDict]:
-    """Config (with generation_config.json eos ids merged) and safetensors weights of a HF directory."""
+def load_hf_weights(path: str, hf_overrides: Mapping[str, Any] | None = None) -> tuple[ModelConfig, StateDict]:
+    """Config (``hf_overrides`` merged over config.json, generation_config.json eos ids merged) and
+    safetensors weights of a HF directory."""
     root = Path(path)
-    cfg = ModelConfig.from_hf(json.loads((root / "config.json").read_text()))
+    cfg = ModelConfig.from_hf(merge_hf_overrides(json.loads((root / "config.json").read_text()), hf_overrides or {}))
     generation = root / "generation_config.json"
     if generation.is_file():
         eos = json.loads(generation.read_text()).get("eos_token_id")

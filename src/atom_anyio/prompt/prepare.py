@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jinja2
+import structlog
 
 from atom_anyio.engine.block_hash import block_hash_chain
 from atom_anyio.engine.grammar import Constraint, GrammarError, Grammars
@@ -30,6 +31,8 @@ from atom_anyio.prompt.render import (
 from atom_anyio.prompt.segment_cache import SegmentCache, Tokenized
 from atom_anyio.sampling_params import SamplingParams, StructuredOutputs
 
+log = structlog.get_logger("atom_anyio.prompt")
+
 CONTEXT_OVERFLOW_POLICIES = ("error", "drop_oldest")
 TRUNCATION_MODES = ("disabled", "auto", "drop_oldest")
 
@@ -37,11 +40,19 @@ TRUNCATION_MODES = ("disabled", "auto", "drop_oldest")
 class PromptError(ValueError):
     """A prompt that cannot be prepared; the API layer answers 400 in its own error shape."""
 
-    def __init__(self, message: str, *, code: str = "invalid_value", param: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str = "invalid_value",
+        param: str | None = None,
+        anthropic_message: str | None = None,
+    ):
         super().__init__(message)
         self.message = message
         self.code = code  # "invalid_value" or "context_length_exceeded"
         self.param = param  # the request field at fault
+        self.anthropic_message = anthropic_message  # Anthropic's own wording, which its clients read
 
 
 @dataclass(frozen=True)
@@ -85,6 +96,8 @@ class PrepareContext:
     max_kv_tokens: int | None = None  # the most one sequence can hold in the engine's KV pool; None: no bound
     model_vocab_size: int | None = None  # the model's embedding rows (the bound on token ids); None: the tokenizer's
     default_max_tokens: int | None = None  # for a request without max_tokens (the model's max_new_tokens); None: no cap
+    # a max_tokens past the context: the completion gets the rest of it (True), or the request is refused (vLLM)
+    clamp_max_tokens: bool = True
     # ParserSpec.detect's choices over the served template: "auto" detects, "none" (offline) leaves the
     # output unparsed, so no prompt opens a reasoning block
     reasoning_parser: str = "none"
@@ -150,6 +163,12 @@ class PrepareContext:
         tags = self.parser_spec.reasoning_tags
         return () if tags is None else tuple(self.tokenizer.encode(tags[1], add_special_tokens=False))
 
+    def num_reserved_output_tokens(self, request: PromptRequest) -> int:
+        """What a cut of the prompt leaves for the completion: its max_tokens, or one token where
+        that is the whole context and would be clamped anyway."""
+        num = request.num_reserved_output_tokens
+        return 1 if self.clamp_max_tokens and num >= self.max_model_len else num
+
     def template_for(self, tools: list[dict] | None) -> jinja2.Template:
         return compile_chat_template(self._source_for(tools))
 
@@ -214,21 +233,26 @@ def prepare_prompt(request: PromptRequest, ctx: PrepareContext) -> PreparedPromp
 
 
 def _max_tokens(request: PromptRequest, ctx: PrepareContext, num_prompt_tokens: int, num_dropped: int) -> int:
-    """The request's max_tokens, or the rest of the context; refused when the prompt and the
-    completion do not fit the context or the KV pool."""
-    if num_prompt_tokens + request.num_reserved_output_tokens > ctx.max_model_len:
+    """The request's max_tokens, or the rest of the context. One past the context or the KV pool is
+    cut to what is left (``clamp_max_tokens``; logged), or refused; a prompt that leaves no room
+    for one output token is refused either way."""
+    num_room = min(ctx.max_model_len, ctx.max_kv_tokens or ctx.max_model_len) - num_prompt_tokens
+    asked = request.params.max_tokens
+    if num_room < 1 or (asked is not None and asked > num_room and not ctx.clamp_max_tokens):
         raise _context_length_error(request, ctx, num_prompt_tokens, num_dropped)
-    max_tokens = request.params.max_tokens
-    if max_tokens is None:  # the rest of the context, or less where the model says so
-        max_tokens = min(ctx.max_model_len - num_prompt_tokens, ctx.default_max_tokens or ctx.max_model_len)
-    if ctx.max_kv_tokens is not None and num_prompt_tokens + max_tokens > ctx.max_kv_tokens:
-        raise PromptError(
-            f"The request needs {num_prompt_tokens + max_tokens} tokens of KV cache ({num_prompt_tokens} in the "
-            f"{request.param}, {max_tokens} in the completion) but the pool holds {ctx.max_kv_tokens}.",
-            code="context_length_exceeded",
-            param=request.param,
+    if asked is None:  # the rest of the context, or less where the model says so
+        return min(num_room, ctx.default_max_tokens or num_room)
+    if asked > num_room:
+        log.info(
+            "request.max_tokens_clamped",
+            max_tokens=asked,
+            clamped_to=num_room,
+            num_prompt_tokens=num_prompt_tokens,
+            max_model_len=ctx.max_model_len,
+            max_kv_tokens=ctx.max_kv_tokens,
         )
-    return max_tokens
+        return num_room
+    return asked
 
 
 def _check_vocabulary(params: SamplingParams, ctx: PrepareContext) -> None:
@@ -301,7 +325,7 @@ def _prepare_chat(request: PromptRequest, ctx: PrepareContext) -> tuple[str, lis
         segment_cache=ctx.segment_cache,
     )
     text, tokens = render(request.messages)
-    cap = ctx.max_model_len - request.num_reserved_output_tokens
+    cap = ctx.max_model_len - ctx.num_reserved_output_tokens(request)
     num_dropped = 0
     if len(tokens.token_ids) > cap >= 1 and _drops_oldest(request, ctx):
         text, tokens, num_dropped = drop_oldest(render, request.messages, text, tokens, cap)
@@ -347,7 +371,7 @@ def _truncate_tokens(
     n = request.truncate_prompt_tokens
     if n is None:
         return token_ids, text
-    keep = ctx.max_model_len - request.num_reserved_output_tokens if n == -1 else n
+    keep = ctx.max_model_len - ctx.num_reserved_output_tokens(request) if n == -1 else n
     if keep < 1 or len(token_ids) <= keep:
         return token_ids, text
     token_ids = token_ids[-keep:]
@@ -357,16 +381,33 @@ def _truncate_tokens(
 def _context_length_error(
     request: PromptRequest, ctx: PrepareContext, num_prompt_tokens: int, num_dropped: int
 ) -> PromptError:
+    """The prompt, or the prompt and the completion asked for, past the context or the KV pool."""
     num_output = request.num_reserved_output_tokens
-    message = (
-        f"This model's maximum context length is {ctx.max_model_len} tokens. However, you requested "
-        f"{num_prompt_tokens + num_output} tokens ({num_prompt_tokens} in the {request.param}, "
-        f"{num_output} in the completion)."
-    )
+    num_asked = num_prompt_tokens + num_output
+    limit, what = ctx.max_model_len, "maximum context length"
+    if ctx.max_kv_tokens is not None and ctx.max_kv_tokens < ctx.max_model_len and num_asked <= ctx.max_model_len:
+        limit, what = ctx.max_kv_tokens, "KV cache pool"
+    if what == "KV cache pool":
+        message = (
+            f"The request needs {num_asked} tokens of KV cache ({num_prompt_tokens} in the {request.param}, "
+            f"{num_output} in the completion) but the pool holds {limit}."
+        )
+    else:
+        message = (
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{num_asked} tokens ({num_prompt_tokens} in the {request.param}, {num_output} in the completion)."
+        )
     if num_dropped:
         message += (
             f" That is after dropping the {num_dropped} oldest messages that may be dropped "
             "(system messages and the latest turn are kept)."
         )
     message += f" Please reduce the length of the {request.param} or completion."
-    return PromptError(message, code="context_length_exceeded", param=request.param)
+    if num_prompt_tokens >= limit:  # the prompt alone: Anthropic's words, which Claude Code reads to compact
+        anthropic = f"prompt is too long: {num_prompt_tokens} tokens > {limit - 1} maximum"
+    else:
+        anthropic = (
+            f"input length and `max_tokens` exceed context limit: {num_prompt_tokens} + {num_output} > {limit}, "
+            "decrease input length or `max_tokens` and try again"
+        )
+    return PromptError(message, code="context_length_exceeded", param=request.param, anthropic_message=anthropic)
