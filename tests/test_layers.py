@@ -1,11 +1,12 @@
-"""The package's layers point one way: api -> prompt -> engine -> models -> kernels.
+"""The package's layers point one way: api -> prompt -> engine -> models -> kernels, and every
+unit of the package (a subpackage or a top-level module) imports only the units its row of
+``ALLOWED`` names, with no cycle among them.
 
 Read from the source with ``ast`` (nothing is imported): every ``import`` and
 ``from ... import`` of a module, wherever it stands (``if TYPE_CHECKING:``
 blocks and imports inside functions included), relative ones resolved. A
-module's layer is its first subpackage; the top-level modules and the other
-subpackages (obs, parse, templates, config, settings, cli, llm, ...) are
-outside the check.
+module's unit is its first component under ``atom_anyio`` (``atom_anyio`` itself
+for the package's ``__init__``, the facade).
 """
 
 from __future__ import annotations
@@ -15,6 +16,24 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "atom_anyio"
 LAYERS = {"api": 0, "prompt": 1, "engine": 2, "models": 3, "kernels": 4}  # lower: higher up
+# unit -> the units it may import
+ALLOWED: dict[str, set[str]] = {
+    "atom_anyio": {"api", "llm", "sampling_params", "version"},  # the facade: app, LLM, SamplingParams, __version__
+    "cli": {"atom_anyio", "api", "config", "obs", "settings"},
+    "api": {"prompt", "engine", "models", "parse", "obs", "config", "settings", "sampling_params", "version"},
+    "llm": {"config", "engine", "models", "obs", "prompt", "sampling_params"},
+    "config": {"engine", "kernels", "models", "parse", "settings"},
+    "prompt": {"engine", "parse", "sampling_params"},
+    "obs": {"engine"},  # metrics read the engine's stats record (engine.stats)
+    "engine": {"models", "kernels", "sampling_params", "settings"},
+    "models": {"kernels", "sampling_params"},
+    "kernels": {"settings"},
+    "parse": set(),
+    "settings": set(),
+    "sampling_params": set(),
+    "templates": set(),
+    "version": set(),
+}
 
 
 def package_modules() -> dict[str, Path]:
@@ -49,6 +68,21 @@ def imported_modules(module: str, path: Path, known: dict[str, Path], source: st
     return {t for t in targets if t.split(".")[0] == "atom_anyio"}
 
 
+def unit(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def unit_edges(known: dict[str, Path]) -> dict[tuple[str, str], list[str]]:
+    """(importing unit, imported unit) -> the module imports that make the edge."""
+    edges: dict[tuple[str, str], list[str]] = {}
+    for module, path in known.items():
+        for target in imported_modules(module, path, known):
+            if unit(module) != unit(target):
+                edges.setdefault((unit(module), unit(target)), []).append(f"{module} -> {target}")
+    return edges
+
+
 def layer(module: str) -> int | None:
     parts = module.split(".")
     return LAYERS.get(parts[1]) if len(parts) > 1 else None
@@ -81,3 +115,67 @@ def test_no_module_imports_a_layer_above_its_own():
     assert not offending, "imports against the layers (api -> prompt -> engine -> models -> kernels):\n" + "\n".join(
         f"  {module} -> {target}" for module, target in offending
     )
+
+
+def test_every_unit_of_the_package_has_a_row_in_the_table():
+    units = {unit(module) for module in package_modules()}
+    assert units == ALLOWED.keys(), (
+        f"units without a row: {units - ALLOWED.keys()}; rows without a unit: {ALLOWED.keys() - units}"
+    )
+
+
+def test_units_import_only_what_their_row_allows():
+    offending = [
+        line
+        for (source, target), lines in sorted(unit_edges(package_modules()).items())
+        if target not in ALLOWED[source]
+        for line in lines
+    ]
+    assert not offending, "imports outside the table of allowed edges:\n" + "\n".join(f"  {line}" for line in offending)
+
+
+def test_the_units_form_no_cycle():
+    graph: dict[str, set[str]] = {}
+    for source, target in unit_edges(package_modules()):
+        graph.setdefault(source, set()).add(target)
+    done: set[str] = set()
+
+    def visit(node: str, path: tuple[str, ...]) -> None:
+        assert node not in path, "a cycle among the package's units: " + " -> ".join([*path[path.index(node) :], node])
+        if node not in done:
+            for target in sorted(graph.get(node, ())):
+                visit(target, (*path, node))
+            done.add(node)
+
+    for node in sorted(graph):
+        visit(node, ())
+
+
+def test_the_cycle_check_finds_a_cycle():
+    """Guards the check above: a graph with a cycle fails it."""
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}}
+    seen: list[str] = []
+
+    def visit(node: str, path: tuple[str, ...]) -> None:
+        if node in path:
+            seen.append(" -> ".join([*path[path.index(node) :], node]))
+            return
+        for target in sorted(graph.get(node, ())):
+            visit(target, (*path, node))
+
+    visit("a", ())
+    assert seen == ["a -> b -> c -> a"]
+
+
+def test_no_module_imports_another_modules_private_name():
+    known = package_modules()
+    offending = []
+    for module, path in known.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("atom_anyio")):
+                offending += [
+                    f"{module}: from {node.module} import {a.name}"
+                    for a in node.names
+                    if a.name.startswith("_") and not a.name.endswith("__")
+                ]
+    assert not offending, "private names imported across modules:\n" + "\n".join(f"  {line}" for line in offending)

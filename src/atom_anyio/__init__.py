@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.1.0"
+from atom_anyio.version import __version__
 __all__ = ["LLM", "SamplingParams", "app", "__version__"]
 
 

@@ -59,7 +59,7 @@ def _parser(hint: Any) -> Callable[[str], Any]:
     if kind is bool:
         return _bool
     if kind is dict:
-        return _json_object
+        return json_object
     if kind in (int, float):
         return kind
     return str
@@ -74,7 +74,7 @@ def _bool(raw: str) -> bool:
     raise ValueError("not a boolean (true/false, 1/0, yes/no, on/off)")
 
 
-def _json_object(raw: str) -> dict:
+def json_object(raw: str) -> dict:
     try:
         value = json.loads(raw)
     except json.JSONDecodeError as exc:

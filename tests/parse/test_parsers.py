@@ -448,9 +448,8 @@ def test_the_shipped_template_is_detected_as_think_and_hermes():
         ("{{ '<|python_tag|>' }}{{ 'ipython' }}", ParserSpec(None, "llama3_json")),
         ("{{ tools }}<｜Assistant｜></think>", ParserSpec(THINK, None)),
         ("{% for tool in tools %}{{ tool | tojson }}{% endfor %}", ParserSpec(None, None)),
-        # a template that reads no tools gets them in the default format: Hermes
-        ("{{ '<|im_start|>' + message.content }}", ParserSpec(None, "hermes")),
-        ("<｜Assistant｜></think>", ParserSpec(THINK, "hermes")),
+        ("{{ '<|im_start|>' + message.content }}", ParserSpec(None, None)),
+        ("<｜Assistant｜></think>", ParserSpec(THINK, None)),
         ("{{ '<|start|>' }}{{ '<|channel|>final' }}", ParserSpec(tool_format="harmony", is_harmony=True)),
         (None, ParserSpec(None, None)),
         ({"default": "plain", "tool_use": "{{ '<tool_call>' }}"}, ParserSpec(None, "hermes")),
@@ -458,6 +457,11 @@ def test_the_shipped_template_is_detected_as_think_and_hermes():
 )
 def test_parsers_are_detected_from_the_template(template, expected):
     assert ParserSpec.detect(template) == expected
+
+
+def test_tools_rendered_in_the_default_format_are_parsed_in_it_unless_the_template_teaches_another():
+    assert ParserSpec.detect("<｜Assistant｜></think>", renders_default_tools=True) == ParserSpec(THINK, "hermes")
+    assert ParserSpec.detect("{{ '<function=' }}", renders_default_tools=True) == ParserSpec(None, "qwen3_coder")
 
 
 def test_flags_force_or_disable_the_parsers():

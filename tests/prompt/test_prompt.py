@@ -662,3 +662,11 @@ async def test_prepare_runs_in_a_worker_thread(tiny_tokenizer):
         assert prepared.text == tiny_tokenizer.apply_chat_template(
             request.messages, tokenize=False, add_generation_prompt=True
         )
+
+
+def test_a_template_that_reads_no_tools_has_its_calls_parsed_in_the_default_format(tiny_tokenizer):
+    """The tiny tokenizer's ChatML reads no ``tools``: they are rendered in, and parsed as, Hermes."""
+    assert _context(tiny_tokenizer, tool_call_parser="auto").parser_spec.tool_format == "hermes"
+    reads_them = "{% for tool in tools %}{{ tool | tojson }}{% endfor %}{{ messages[0]['content'] }}"
+    ctx = _context(tiny_tokenizer, chat_template=reads_them, tool_call_parser="auto")
+    assert ctx.parser_spec.tool_format is None

@@ -229,7 +229,7 @@ class ChatCompletionRequest(SamplingFields):
         for i, m in enumerate(self.messages):
             msg = m.model_dump(exclude_none=True)
             if isinstance(m.content, list):
-                msg["content"] = _text_of_parts(m.content, f"messages.{i}.content")
+                msg["content"] = text_of_parts(m.content, f"messages.{i}.content")
             if msg.get("tool_calls"):
                 msg["tool_calls"] = [_parse_arguments(c) for c in msg["tool_calls"]]
             out.append(msg)
@@ -241,7 +241,7 @@ def thinking_enabled(effort: str) -> bool:
     return effort not in ("none", "minimal")
 
 
-def _text_of_parts(parts: list[dict[str, Any]], where: str) -> str:
+def text_of_parts(parts: list[dict[str, Any]], where: str) -> str:
     texts = []
     for j, part in enumerate(parts):
         kind = part.get("type")

@@ -6,7 +6,7 @@ from typing import Any
 
 from quart import Blueprint, Response
 
-from atom_anyio import __version__
+from atom_anyio.version import __version__
 from atom_anyio.api.runtime import Runtime
 
 

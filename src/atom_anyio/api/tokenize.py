@@ -9,7 +9,7 @@ from quart import Blueprint
 
 from atom_anyio.api.errors import APIError
 from atom_anyio.api.http import parse_body
-from atom_anyio.api.openai_schemas import ChatMessage, Lenient, Tool, _text_of_parts
+from atom_anyio.api.openai_schemas import ChatMessage, Lenient, Tool, text_of_parts
 from atom_anyio.api.runtime import Runtime
 from atom_anyio.prompt.prepare import PromptRequest, tokenize_prompt
 
@@ -86,7 +86,7 @@ def _tokenize(rt: Runtime, req: TokenizeRequest) -> list[int]:
     for i, m in enumerate(req.messages or []):
         msg = m.model_dump(exclude_none=True)
         if isinstance(m.content, list):
-            msg["content"] = _text_of_parts(m.content, f"messages.{i}.content")
+            msg["content"] = text_of_parts(m.content, f"messages.{i}.content")
         messages.append(msg)
     request = PromptRequest(
         messages=messages,

@@ -18,7 +18,7 @@
 * With ``record_events``, a block's hash being set is a ``BlockStored`` event
   (one per run of consecutive blocks, chained on the block before) and its
   hash being dropped a ``BlockRemoved``: ``take_events`` hands them over once
-  per step, for a KV-aware router (obs/kv_events.py).
+  per step, for a KV-aware router (engine/kv_events.py).
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from __future__ import annotations
 from array import array
 from collections import OrderedDict
 
+from atom_anyio.engine import kv_events
 from atom_anyio.engine.block_hash import ROOT_HASH, hash_block
 from atom_anyio.engine.sequence import Sequence
-from atom_anyio.obs import kv_events
 
 
 class Block:

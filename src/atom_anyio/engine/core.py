@@ -30,17 +30,18 @@ from anyio.abc import TaskStatus
 from atom_anyio.engine.block_manager import BlockManager
 from atom_anyio.engine.detokenizer import IncrementalDetokenizer
 from atom_anyio.engine.engine_config import EngineConfig
+from atom_anyio.engine.kv_events import KVEventPublisher
 from atom_anyio.engine.output_processor import OutputProcessor, StepsFailing
 from atom_anyio.engine.request import EngineRequest
 from atom_anyio.engine.scheduler import ScheduledBatch, Scheduler
-from atom_anyio.engine.sequence import Sequence
+from atom_anyio.engine.sequence import Sequence, num_alive
 from atom_anyio.engine.speculative import Speculator
+from atom_anyio.engine.stats import EngineStats, SpecStats
 from atom_anyio.engine.step import InFlight, StepInput, StepOutput, build_step
 from atom_anyio.engine.stream import DeltaStream
 from atom_anyio.engine.tp_workers import TensorParallelWorker
 from atom_anyio.engine.worker import Worker, kv_bytes_per_token, kv_pool_bytes
 from atom_anyio.models.loader import LoadedModel
-from atom_anyio.obs.kv_events import KVEventPublisher
 
 log = structlog.get_logger("atom_anyio.engine")
 
@@ -148,6 +149,27 @@ class Engine:
             index += n
         self._wakeup.set()
         return stream
+
+    def stats(self) -> EngineStats:
+        sched, bm, spec = self.scheduler, self.block_manager, self.speculator
+        return EngineStats(
+            num_running=len(sched.running),
+            num_scheduled_waiting=len(sched.waiting),
+            num_waiting_seqs=self.num_waiting_seqs,
+            kv_usage=bm.usage,
+            num_free_blocks=bm.num_free_blocks,
+            num_blocks=bm.num_blocks,
+            num_prefix_queried_tokens=bm.num_queried_tokens,
+            num_prefix_hit_tokens=bm.num_hit_tokens,
+            num_preemptions=sched.num_preemptions,
+            num_sequences_alive=num_alive(),
+            num_kv_events_dropped=None if self.kv_events is None else self.kv_events.num_dropped,
+            spec=None
+            if spec is None
+            else SpecStats(
+                spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens, tuple(spec.num_accepted_per_pos)
+            ),
+        )
 
     @property
     def num_waiting_seqs(self) -> int:

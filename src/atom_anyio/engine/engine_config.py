@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from atom_anyio.engine.kv_events import KVEventsConfig
 from atom_anyio.engine.speculative import SpeculativeConfig
-from atom_anyio.obs.kv_events import KVEventsConfig
 from atom_anyio.settings import setting
 
 

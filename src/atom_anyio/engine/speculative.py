@@ -23,7 +23,7 @@ import xgrammar as xgr
 
 from atom_anyio.engine.proposers import SuffixStore, ngram_draft, suffix_draft
 from atom_anyio.engine.wind_down import WIND_DOWN_TOKENS
-from atom_anyio.settings import _json_object
+from atom_anyio.settings import json_object
 
 if TYPE_CHECKING:
     from atom_anyio.engine.sequence import Sequence
@@ -82,7 +82,7 @@ class SpeculativeConfig:
         a bad key or value."""
         if not text:
             return None
-        raw = text if isinstance(text, dict) else _json_object(text)
+        raw = text if isinstance(text, dict) else json_object(text)
         known = [f.name for f in fields(cls)]
         for key in raw:
             if key not in known:

@@ -1,7 +1,8 @@
 """Prometheus metrics. A fixed set of series: nothing is labelled per
 request (unless ``metrics_per_request`` is set, whose series are removed when
 their request ends), so rendering ``/metrics`` costs the same after a million
-requests as after ten. Engine state is read when scraped, never pushed per step."""
+requests as after ten. The engine's state is read when scraped (its ``EngineStats`` record),
+never pushed per step."""
 
 from __future__ import annotations
 
@@ -13,10 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from atom_anyio.engine.sequence import num_alive
-
 if TYPE_CHECKING:
-    from atom_anyio.engine.core import Engine
+    from atom_anyio.engine.stats import EngineStats, SpecStats
 
 disable_created_metrics()  # no *_created series: a fixed set of lines per metric
 
@@ -43,55 +42,64 @@ VLLM_REQUEST_LATENCY_BUCKETS = (
 )
 
 
-class EngineCollector(Collector):
-    """Gauges and counters the engine already keeps, read at scrape time."""
+class StatsSource(Protocol):
+    """What the engine gauges read (``Engine``); a protocol, so obs imports no engine."""
 
-    def __init__(self, engine: Engine):
+    def stats(self) -> EngineStats: ...
+
+
+class EngineCollector(Collector):
+    """Gauges and counters of the engine's stats record, read at scrape time."""
+
+    def __init__(self, engine: StatsSource):
         self.engine = engine
 
     def collect(self) -> Iterator[Metric]:
-        sched, bm = self.engine.scheduler, self.engine.block_manager
-        yield GaugeMetricFamily("atom_requests_running", "Sequences running", value=len(sched.running))
-        yield GaugeMetricFamily("atom_requests_waiting", "Sequences waiting", value=len(sched.waiting))
-        yield GaugeMetricFamily("atom_kv_cache_usage_ratio", "Fraction of KV blocks in use", value=bm.usage)
+        s = self.engine.stats()
+        yield GaugeMetricFamily("atom_requests_running", "Sequences running", value=s.num_running)
+        yield GaugeMetricFamily("atom_requests_waiting", "Sequences waiting", value=s.num_scheduled_waiting)
+        yield GaugeMetricFamily("atom_kv_cache_usage_ratio", "Fraction of KV blocks in use", value=s.kv_usage)
         yield GaugeMetricFamily(
-            "atom_kv_cache_blocks_free", "Free KV blocks (cached ones included)", value=bm.num_free_blocks
+            "atom_kv_cache_blocks_free", "Free KV blocks (cached ones included)", value=s.num_free_blocks
         )
-        yield GaugeMetricFamily("atom_kv_cache_blocks_total", "KV blocks in the pool", value=bm.num_blocks)
+        yield GaugeMetricFamily("atom_kv_cache_blocks_total", "KV blocks in the pool", value=s.num_blocks)
         yield CounterMetricFamily(
-            "atom_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", value=bm.num_hit_tokens
+            "atom_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", value=s.num_prefix_hit_tokens
         )
-        yield CounterMetricFamily("atom_preemptions", "Sequences preempted (recompute)", value=sched.num_preemptions)
-        yield GaugeMetricFamily("atom_sequences_alive", "Sequence objects alive in the process", value=num_alive())
-        if self.engine.kv_events is not None:
-            dropped = self.engine.kv_events.num_dropped
-            yield CounterMetricFamily("atom_kv_events_dropped", "KV event batches dropped (queue full)", value=dropped)
+        yield CounterMetricFamily("atom_preemptions", "Sequences preempted (recompute)", value=s.num_preemptions)
+        yield GaugeMetricFamily(
+            "atom_sequences_alive", "Sequence objects alive in the process", value=s.num_sequences_alive
+        )
+        if s.num_kv_events_dropped is not None:
+            yield CounterMetricFamily(
+                "atom_kv_events_dropped", "KV event batches dropped (queue full)", value=s.num_kv_events_dropped
+            )
 
 
 class VllmEngineCollector(Collector):
-    """The engine's state under vLLM's names and labels."""
+    """The engine's stats under vLLM's names and labels."""
 
-    def __init__(self, engine: Engine, labels: list[str]):
+    def __init__(self, engine: StatsSource, labels: list[str]):
         self.engine, self.labels = engine, labels
 
     def collect(self) -> Iterator[Metric]:
-        engine, bm = self.engine, self.engine.block_manager
+        s = self.engine.stats()
         gauge, counter = GaugeMetricFamily, CounterMetricFamily
         for kind, name, doc, value in (
-            (gauge, "vllm:num_requests_running", "Requests in the running batch", len(engine.scheduler.running)),
-            (gauge, "vllm:num_requests_waiting", "Requests waiting to be processed", engine.num_waiting_seqs),
-            (gauge, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage", bm.usage),
-            (counter, "vllm:prefix_cache_queries", "Prefix cache queries, in tokens", bm.num_queried_tokens),
-            (counter, "vllm:prefix_cache_hits", "Prefix cache hits, in tokens", bm.num_hit_tokens),
-            (counter, "vllm:num_preemptions", "Preemptions", engine.scheduler.num_preemptions),
+            (gauge, "vllm:num_requests_running", "Requests in the running batch", s.num_running),
+            (gauge, "vllm:num_requests_waiting", "Requests waiting to be processed", s.num_waiting_seqs),
+            (gauge, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage", s.kv_usage),
+            (counter, "vllm:prefix_cache_queries", "Prefix cache queries, in tokens", s.num_prefix_queried_tokens),
+            (counter, "vllm:prefix_cache_hits", "Prefix cache hits, in tokens", s.num_prefix_hit_tokens),
+            (counter, "vllm:num_preemptions", "Preemptions", s.num_preemptions),
         ):
             family = kind(name, doc, labels=VLLM_LABELS)
             family.add_metric(self.labels, value)
             yield family
-        if engine.speculator is not None:
-            yield from self._spec_decode(engine.speculator)
+        if s.spec is not None:
+            yield from self._spec_decode(s.spec)
 
-    def _spec_decode(self, spec: Any) -> Iterator[Metric]:
+    def _spec_decode(self, spec: SpecStats) -> Iterator[Metric]:
         """Speculative decoding's counters, as vLLM's SpecDecodingProm names them."""
         for name, doc, value in (
             ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", spec.num_drafts),
@@ -188,7 +196,7 @@ class Metrics:
         )
         self.vllm: VllmSeries | None = None
 
-    def bind_engine(self, engine: Engine, model_name: str) -> None:
+    def bind_engine(self, engine: StatsSource, model_name: str) -> None:
         self.registry.register(EngineCollector(engine))
         labels = [model_name, "0"]
         self.registry.register(VllmEngineCollector(engine, labels))

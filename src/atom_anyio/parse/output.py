@@ -13,8 +13,14 @@ from dataclasses import dataclass, field
 
 from atom_anyio.parse.harmony import HarmonyParser
 from atom_anyio.parse.reasoning import REASONING_PARSERS, ReasoningParser
-from atom_anyio.parse.tool_calls import TOOL_CALL_PARSERS, ToolCall, ToolCallDelta, ToolParser, detect_tool_format
-from atom_anyio.prompt.render import DEFAULT_TOOL_FORMAT, reads_tools
+from atom_anyio.parse.tool_calls import (
+    DEFAULT_TOOL_FORMAT,
+    TOOL_CALL_PARSERS,
+    ToolCall,
+    ToolCallDelta,
+    ToolParser,
+    detect_tool_format,
+)
 
 HARMONY = "harmony"  # GPT-OSS: reasoning, content and calls in one format (vLLM: openai_gptoss / openai)
 HARMONY_NAMES = {"reasoning_parser": (HARMONY, "openai_gptoss"), "tool_call_parser": (HARMONY, "openai")}
@@ -65,18 +71,18 @@ class ParserSpec:
         *,
         reasoning_parser: str = "auto",
         tool_call_parser: str = "auto",
+        renders_default_tools: bool = False,
     ) -> ParserSpec:
         """``"auto"``: detect from the template text; ``"none"``: off; a name forces that parser.
-        An unknown name is a ValueError listing the choices. A template that reads no ``tools``
-        gets them in the default format (``prompt.render.default_tools``), so ``auto`` parses it."""
-        tool_source = chat_template
+        An unknown name is a ValueError listing the choices. ``renders_default_tools``: the template
+        reads no ``tools``, so the prompt layer renders them in ``DEFAULT_TOOL_FORMAT``
+        (``prompt.render.default_tools``), which ``auto`` then parses."""
         if isinstance(chat_template, Mapping):
-            tool_source = chat_template.get("tool_use", chat_template.get("default"))
             chat_template = "\n".join(chat_template.values())
         template = chat_template or ""
         is_harmony = "<|channel|>" in template
         detected_tools = detect_tool_format(template)
-        if detected_tools is None and tool_source and not reads_tools(tool_source):
+        if detected_tools is None and renders_default_tools:
             detected_tools = DEFAULT_TOOL_FORMAT
         reasoning = _choose(
             "reasoning_parser",

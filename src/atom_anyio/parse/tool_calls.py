@@ -14,6 +14,9 @@ from atom_anyio.parse.reasoning import partial_tag_len
 
 __all__ = ["ToolCall", "ToolCallDelta", "ToolParser", "detect_tool_format", "TOOL_CALL_PARSERS"]
 
+# The tool-call format the prompt layer teaches a template that reads no tools (``prompt.render.default_tools``)
+DEFAULT_TOOL_FORMAT = "hermes"
+
 
 def detect_tool_format(template: str) -> str | None:
     """The tool-call format a chat template's prompt teaches, or None."""

@@ -152,9 +152,15 @@ class PrepareContext:
 
     @functools.cached_property
     def parser_spec(self) -> ParserSpec:
-        """Which parsers read the output (reasoning tags, tool-call format), from the served template."""
+        """Which parsers read the output (reasoning tags, tool-call format), from the served template;
+        one that reads no tools gets them in the default format (``default_tools``), parsed as such."""
+        sources = self.template_sources
+        tool_source = sources.get("tool_use", sources.get("default")) if isinstance(sources, Mapping) else sources
         return ParserSpec.detect(
-            self.template_sources, reasoning_parser=self.reasoning_parser, tool_call_parser=self.tool_call_parser
+            sources,
+            reasoning_parser=self.reasoning_parser,
+            tool_call_parser=self.tool_call_parser,
+            renders_default_tools=tool_source is not None and not reads_tools(tool_source),
         )
 
     @functools.cached_property

@@ -127,8 +127,6 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
     return normalized
 
 
-# The tool-call format ``default_tools`` teaches; ``parse.tool_calls`` reads it back.
-DEFAULT_TOOL_FORMAT = "hermes"
 _TOOLS_PREAMBLE = (
     "# Tools\n\n"
     "You may call one or more functions to help with the user's request. "

@@ -14,8 +14,8 @@ from support import free_port, serving_app
 
 from atom_anyio.config import Config
 from atom_anyio.engine.block_hash import block_hash_chain
+from atom_anyio.engine.kv_events import KVEventPublisher, KVEventsConfig, block_removed
 from atom_anyio.engine.worker import kv_bytes_per_token
-from atom_anyio.obs.kv_events import KVEventPublisher, KVEventsConfig, block_removed
 
 zmq = pytest.importorskip("zmq")
 msgspec = pytest.importorskip("msgspec")
