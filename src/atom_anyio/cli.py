@@ -63,7 +63,7 @@ async def serve(app) -> int:
 
     from atom_anyio.obs.logging import ACCESS_LOG_FORMAT, ACCESS_LOGGER
 
-    log = structlog.get_logger("atom_anyio.server")
+    log = structlog.get_logger("atom_anyio.cli")
     crashed = anyio.Event()
     app.on_engine_crash = crashed.set
     config = app.config

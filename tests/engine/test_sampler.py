@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from atom_anyio.engine import sampler as sampler_module
-from atom_anyio.engine.sampler import INVALID_TOKEN, Sampler, SamplingInputs, _inverse_cdf, process_logits
+from atom_anyio.engine.logits_processors import process_logits
+from atom_anyio.engine.sampler import INVALID_TOKEN, Sampler, SamplingInputs, _inverse_cdf
 from atom_anyio.sampling_params import SamplingParams
 
 EOS = 2

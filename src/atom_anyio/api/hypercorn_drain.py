@@ -31,7 +31,7 @@ import structlog
 
 from atom_anyio.api.runtime import Runtime
 
-log = structlog.get_logger("atom_anyio.server")
+log = structlog.get_logger("atom_anyio.api")
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 POLL_S = 0.1  # hypercorn's own interval for the worker's event (a multiprocessing event has nothing to await)
 

@@ -40,7 +40,7 @@ from atom_anyio.prompt.segment_cache import SegmentCache
 from atom_anyio.sampling_params import SamplingParams
 from atom_anyio.settings import ConfigError
 
-log = structlog.get_logger("atom_anyio.server")
+log = structlog.get_logger("atom_anyio.api")
 GGUF_QUANT_SUFFIX = re.compile(r"[.-](?:I?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)
 
 # a route's wire format for its prepared prompts (their counts, text and reasoning state)

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from atom_anyio.engine.stream import DeltaStream
     from atom_anyio.obs.metrics import Metrics
 
-log = structlog.get_logger("atom_anyio.server")
+log = structlog.get_logger("atom_anyio.api")
 
 
 def request_id() -> str | None:

@@ -1,4 +1,4 @@
-"""One step's logits to tokens: logit processors, then argmax or an
+"""One step's logits to tokens: logit processors (``logits_processors.py``), then argmax or an
 inverse-CDF sample, plus the logprobs each request asked for."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from atom_anyio.engine.logits_processors import column_tensor, long_tensor, process_logits
 from atom_anyio.engine.stream import Logprob
 from atom_anyio.sampling_params import SamplingParams
 
@@ -68,7 +69,7 @@ class Sampler:
         else:
             token_ids = processed.argmax(dim=-1)
             if rows:
-                index = _long(rows, logits.device)
+                index = long_tensor(rows, logits.device)
                 token_ids[index] = _sample(
                     processed[index],
                     [params[i] for i in rows],
@@ -78,100 +79,12 @@ class Sampler:
         return _to_output(logits, token_ids, params, finite)
 
 
-def process_logits(logits: torch.Tensor, inputs: SamplingInputs) -> torch.Tensor:
-    """Applies logit_bias, min_tokens, then repetition, frequency and presence
-    penalties. Returns ``logits`` itself when no row needs any of them, else a copy."""
-    params = inputs.params
-    # a grammar decides itself when its output may end: min_tokens does not hold back its end token
-    under_min = [
-        i
-        for i, p in enumerate(params)
-        if len(inputs.output_token_ids[i]) < p.min_tokens and not (inputs.matchers and inputs.matchers[i] is not None)
-    ]
-    has_bias = any(p.logit_bias for p in params)
-    penalised = any(has_penalty(p) for p in params)
-    if not (has_bias or under_min or penalised):
-        return logits
-    logits = logits.clone()
-    if has_bias:
-        _add_logit_bias(logits, params)
-    if under_min:
-        _mask_stop_tokens(logits, inputs, under_min)
-    if penalised:
-        _apply_penalties(logits, inputs)
-    return logits
-
-
-def has_penalty(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-
-
-def _long(values: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.long, device=device)
-
-
-def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(1)
-
-
-def _add_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> None:
-    rows: list[int] = []
-    cols: list[int] = []
-    values: list[float] = []
-    for i, p in enumerate(params):
-        rows += [i] * len(p.logit_bias)
-        cols += p.logit_bias.keys()
-        values += p.logit_bias.values()
-    bias = torch.tensor(values, dtype=logits.dtype, device=logits.device)
-    logits.index_put_((_long(rows, logits.device), _long(cols, logits.device)), bias, accumulate=True)
-
-
-def _mask_stop_tokens(logits: torch.Tensor, inputs: SamplingInputs, under_min: list[int]) -> None:
-    rows: list[int] = []
-    cols: list[int] = []
-    for i in under_min:
-        p = inputs.params[i]
-        # with ignore_eos the end token does not stop the row, so it need not be held back
-        stops = [*p.stop_token_ids, *(() if p.ignore_eos else inputs.eos_token_ids)]
-        rows += [i] * len(stops)
-        cols += stops
-    logits[_long(rows, logits.device), _long(cols, logits.device)] = float("-inf")
-
-
-def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
-    width = max(map(len, rows), default=0)
-    return _long([[*r, *[pad] * (width - len(r))] for r in rows], device)
-
-
-def _apply_penalties(logits: torch.Tensor, inputs: SamplingInputs) -> None:
-    params = inputs.params
-    num_rows, vocab = logits.shape
-    # padding lands in an extra column that is dropped
-    outputs = _padded(inputs.output_token_ids, vocab, logits.device)
-    counts = logits.new_zeros(num_rows, vocab + 1)
-    counts.scatter_add_(1, outputs, torch.ones_like(outputs, dtype=logits.dtype))
-    counts = counts[:, :vocab]
-    if any(p.repetition_penalty != 1.0 for p in params):
-        prompts = [
-            t if p.repetition_penalty != 1.0 else [] for p, t in zip(params, inputs.prompt_token_ids, strict=True)
-        ]
-        seen = torch.zeros(num_rows, vocab + 1, dtype=torch.bool, device=logits.device)
-        seen.scatter_(1, _padded(prompts, vocab, logits.device), True)
-        seen = seen[:, :vocab] | (counts > 0)
-        penalty = _column([p.repetition_penalty for p in params], logits)
-        penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
-        logits.copy_(torch.where(seen, penalised, logits))
-    frequency = _column([p.frequency_penalty for p in params], logits)
-    presence = _column([p.presence_penalty for p in params], logits)
-    logits -= frequency * counts + presence * (counts > 0)
-
-
 def _sample(
     logits: torch.Tensor, params: list[SamplingParams], seeds: list[int | None], steps: list[int]
 ) -> torch.Tensor:
     """Temperature, then one uniform draw a row: through the whole row's CDF, or for a row that
     cuts (top_k under the vocabulary, top_p under 1 or min_p over 0) through its kept tokens'."""
-    scaled = logits / _column([p.temperature for p in params], logits)  # this function's own: changed in place
+    scaled = logits / column_tensor([p.temperature for p in params], logits)  # this function's own: changed in place
     u = _uniforms(seeds, steps, logits.device)
     vocab = scaled.shape[1]
     cut = [i for i, p in enumerate(params) if 0 < (p.top_k or vocab) < vocab or p.top_p < 1.0 or p.min_p > 0]
@@ -180,9 +93,9 @@ def _sample(
     if len(cut) == len(params):
         return _cut_and_draw(scaled, params, u)
     tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
-    whole = _long([i for i in range(len(params)) if i not in set(cut)], logits.device)
+    whole = long_tensor([i for i in range(len(params)) if i not in set(cut)], logits.device)
     tokens[whole] = _inverse_cdf(_weights(scaled[whole]), u[whole])
-    index = _long(cut, logits.device)
+    index = long_tensor(cut, logits.device)
     tokens[index] = _cut_and_draw(scaled[index], [params[i] for i in cut], u[index])
     return tokens
 
@@ -275,7 +188,7 @@ def _cut_and_draw(
     order, values, beyond = _candidates_cut(logits, params, candidates)
     tokens = _draw_among(order, values, u)
     if beyond:
-        index = _long(beyond, logits.device)
+        index = long_tensor(beyond, logits.device)
         rows = [params[i] for i in beyond]
         tokens[index] = _cut_and_draw(logits[index], rows, u[index], candidates * 16)
     return tokens
@@ -292,7 +205,7 @@ def _candidates_cut(
     top_k = [min(p.top_k or vocab, vocab) for p in params]
     width = min(candidates, max(top_k))  # every row's top k among them: no more
     values, order = logits.topk(width, dim=-1)
-    k = _long(top_k, logits.device).unsqueeze(1)
+    k = long_tensor(top_k, logits.device).unsqueeze(1)
     values.masked_fill_(torch.arange(width, device=logits.device) >= k, float("-inf"))
     # top_p's mass is of the top k: among the candidates, or the whole row's without a top_k
     normaliser = values.logsumexp(dim=-1, keepdim=True)
@@ -317,7 +230,7 @@ def _draw_among(order: torch.Tensor, values: torch.Tensor, u: torch.Tensor) -> t
 def _sorted_cut(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Top-k, then top-p and min-p over the renormalised top k, by sorting each row whole."""
     vocab = logits.shape[1]
-    top_k = _long([min(p.top_k or vocab, vocab) for p in params], logits.device).unsqueeze(1)
+    top_k = long_tensor([min(p.top_k or vocab, vocab) for p in params], logits.device).unsqueeze(1)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     sorted_logits.masked_fill_(torch.arange(vocab, device=logits.device) >= top_k, float("-inf"))
     sorted_logits.masked_fill_(_drops(sorted_logits.log_softmax(dim=-1), params), float("-inf"))
@@ -327,8 +240,8 @@ def _sorted_cut(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Ten
 def _drops(logprobs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Over each row's log-probabilities in descending order: top_p keeps every token whose
     predecessors hold less than p (top_p == 1 keeps all); min_p drops those under min_p of the first."""
-    top_p = _column([p.top_p for p in params], logprobs)
-    min_p = _column([p.min_p for p in params], logprobs)
+    top_p = column_tensor([p.top_p for p in params], logprobs)
+    min_p = column_tensor([p.min_p for p in params], logprobs)
     probs = logprobs.exp()
     mass_ahead = probs.cumsum(dim=-1) - probs
     return ((mass_ahead >= top_p) & (top_p < 1.0)) | (probs < min_p * probs[:, :1])
@@ -342,7 +255,7 @@ def _to_output(
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not rows:
         return SamplerOutput(reported.tolist(), [None] * len(params), token_ids)
-    index = _long(rows, raw.device)
+    index = long_tensor(rows, raw.device)
     logprobs = torch.log_softmax(raw[index].float(), dim=-1)
     chosen = logprobs.gather(1, token_ids[index].unsqueeze(1)).squeeze(1)
     top_values, top_ids = logprobs.topk(max(params[i].logprobs for i in rows), dim=-1)

@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from atom_anyio.engine.block_manager import BlockManager
-from atom_anyio.engine.sampler import has_penalty
+from atom_anyio.engine.logits_processors import has_penalty
 from atom_anyio.engine.sequence import Sequence, Status
 from atom_anyio.engine.speculative import Speculator
 

@@ -38,7 +38,7 @@ ARCHITECTURES = (
 )
 SLIDING, FULL = "sliding_attention", "full_attention"  # Hugging Face's layer_types names
 
-log = structlog.get_logger("atom_anyio.engine")
+log = structlog.get_logger("atom_anyio.models")
 
 
 @dataclass(frozen=True)

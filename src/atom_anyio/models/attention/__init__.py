@@ -72,7 +72,7 @@ __all__ = [
     "triton_unavailable",
 ]
 
-log = structlog.get_logger("atom_anyio.engine")
+log = structlog.get_logger("atom_anyio.models")
 
 BACKENDS = ("auto", "cpu", "cpu_paged", "torch", "triton", "flashinfer", "aiter")
 
