@@ -11,6 +11,7 @@ Quart runs on asyncio only, so every test here runs on the asyncio backend.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from contextlib import ExitStack
@@ -18,6 +19,7 @@ from typing import Any
 
 import anthropic
 import pytest
+from structlog.testing import capture_logs
 from support import ScriptedSampler, free_port, scripted, served_over_http
 
 from atom_anyio.api.anthropic_schemas import MessagesRequest
@@ -356,7 +358,13 @@ async def test_an_engine_failure_mid_stream_ends_with_an_error_event(client, scr
             "nope",
         ),
         (body(thinking=THINKING), 400, "invalid_request_error", "budget_tokens"),
-        (body(max_tokens=10**6), 400, "invalid_request_error", "context length"),
+        # a max_tokens past the context is clamped; a prompt past it is refused as Anthropic words it
+        (
+            body(messages=[{"role": "user", "content": "river " * 5000}], max_tokens=10**6),
+            400,
+            "invalid_request_error",
+            "prompt is too long: ",
+        ),
         ({**body(), "messages": [{"role": "user", "content": "x" * 300_000}]}, 413, "request_too_large", "bytes"),
     ],
 )
@@ -459,3 +467,265 @@ async def test_sdk_error_types(sdk, atom):
     ) as bad:
         with pytest.raises(anthropic.AuthenticationError):
             await bad.messages.create(model=MODEL, max_tokens=8, messages=USER)
+
+
+# what Claude Code sends
+
+CLAUDE_CODE_PATH = "/v1/messages?beta=true"
+SESSION_ID = "4f0c6a0e-1b9e-4a55-9c1e-2b1f4d0c9e11"
+CLAUDE_CODE_BETAS = [
+    "claude-code-20250219",
+    "interleaved-thinking-2025-05-14",
+    "context-management-2025-06-27",
+    "prompt-caching-scope-2026-01-05",
+]
+CLAUDE_CODE_HEADERS = {
+    **HEADERS,
+    "anthropic-beta": ",".join(CLAUDE_CODE_BETAS),
+    "X-Claude-Code-Session-Id": SESSION_ID,
+    "x-app": "cli",
+    "User-Agent": "claude-cli/2.1.332 (external, sdk-cli)",
+}
+EPHEMERAL = {"type": "ephemeral"}
+BILLING_HEADER = "x-anthropic-billing-header: cc_version=2.1.332.abc; cc_entrypoint=sdk-cli; cch={nonce};"
+REMINDER = "The user switched to plan mode: do not edit files."
+WEB_SEARCH = {"type": "web_search_20250305", "name": "web_search", "max_uses": 8}
+
+
+def claude_code_body(nonce: str = "6b1f0") -> dict[str, Any]:
+    """A Claude Code 2.1 request as captured: a billing header with a per-request nonce, cache
+    breakpoints everywhere, a system message mid-conversation, a server tool, adaptive thinking
+    with its display omitted, effort, context management and a session id in metadata."""
+    return {
+        "model": MODEL,
+        "max_tokens": 1024,
+        "system": [
+            {"type": "text", "text": BILLING_HEADER.format(nonce=nonce)},
+            {
+                "type": "text",
+                "text": "You are Claude Code, Anthropic's official CLI for Claude.",
+                "cache_control": {"type": "ephemeral", "ttl": "1h"},
+            },
+            {"type": "text", "text": "You help users with software engineering tasks.", "cache_control": EPHEMERAL},
+        ],
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": USER[0]["content"], "cache_control": EPHEMERAL}]},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": THOUGHT, "signature": "c2lnbmF0dXJl"},
+                    {"type": "redacted_thinking", "data": "b3BhcXVl"},
+                    {"type": "text", "text": "Let me check.", "citations": None},
+                    {"type": "tool_use", "id": "toolu_01", "name": "get_weather", "input": {"city": "Paris"}},
+                ],
+            },
+            {"role": "system", "content": REMINDER},
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "toolu_01",
+                        "content": [{"type": "text", "text": "18 C, sunny"}],
+                        "cache_control": EPHEMERAL,
+                    }
+                ],
+            },
+        ],
+        "tools": [{**WEATHER_TOOL, "cache_control": EPHEMERAL}, WEB_SEARCH],
+        "tool_choice": {"type": "auto"},
+        "thinking": {"type": "adaptive", "display": "omitted"},
+        "output_config": {"effort": "high"},
+        "context_management": {
+            "edits": [
+                {"type": "clear_thinking_20251015", "keep": "all"},
+                {
+                    "type": "clear_tool_uses_20250919",
+                    "trigger": {"type": "input_tokens", "value": 180_000},
+                    "keep": {"type": "tool_uses", "value": 3},
+                    "clear_at_least": {"type": "input_tokens", "value": 20_000},
+                    "exclude_tools": ["web_search"],
+                    "clear_tool_inputs": False,
+                },
+            ]
+        },
+        "metadata": {"user_id": json.dumps({"device_id": "9f2c", "account_uuid": "", "session_id": SESSION_ID})},
+        "service_tier": "auto",
+        "stream": False,
+    }
+
+
+def rendered(atom, request_body: dict[str, Any], ctx=None) -> str:
+    """The prompt text a request runs, through the real preparation."""
+    req = MessagesRequest.model_validate(request_body)
+    return prepare_prompt(req.prompt_request(), ctx or atom.runtime.prepare_ctx).text
+
+
+async def test_a_claude_code_request_is_answered(client, script):
+    script(THINK_THEN_CALL)
+    r = await client.post(CLAUDE_CODE_PATH, json=claude_code_body(), headers=CLAUDE_CODE_HEADERS)
+    msg = await r.get_json()
+    assert r.status_code == 200, msg
+    assert [b["type"] for b in msg["content"]] == ["thinking", "text", "tool_use"]
+    assert msg["content"][0]["thinking"] == "" and msg["content"][0]["signature"]
+    assert msg["stop_reason"] == "tool_use"
+    r = await client.post("/v1/messages/count_tokens?beta=true", json=claude_code_body(), headers=CLAUDE_CODE_HEADERS)
+    usage = msg["usage"]
+    assert (await r.get_json())["input_tokens"] == usage["input_tokens"] + usage["cache_read_input_tokens"]
+    assert MessagesRequest.model_validate(claude_code_body()).cache_ttl_s == 3600  # the longest asked
+
+
+async def test_the_billing_header_stays_out_of_the_prompt_so_its_nonce_keeps_the_cache(client, script, atom):
+    first, second = rendered(atom, claude_code_body("a1")), rendered(atom, claude_code_body("b2"))
+    assert first == second and "x-anthropic-billing-header" not in first and "cch=" not in first
+    assert first.startswith("<|im_start|>system\nYou are Claude Code")
+    script("Sunny.")
+    _, one = await post(client, claude_code_body("c3"), CLAUDE_CODE_PATH, CLAUDE_CODE_HEADERS)
+    _, two = await post(client, claude_code_body("d4"), CLAUDE_CODE_PATH, CLAUDE_CODE_HEADERS)
+    total = one["usage"]["input_tokens"] + one["usage"]["cache_read_input_tokens"]
+    # the next turn reads all of the prompt but its last, partial block from the cache
+    assert two["usage"]["cache_read_input_tokens"] >= total - atom.runtime.prepare_ctx.block_size
+
+
+def _system(text: str) -> dict[str, Any]:
+    return {"role": "system", "content": text}
+
+
+def _assistant(text: str) -> dict[str, Any]:
+    return {"role": "assistant", "content": text}
+
+
+@pytest.mark.parametrize(
+    ("messages", "expected"),
+    [
+        # before the first turn: joins the system prompt
+        ([_system("Plan mode."), *USER], "<|im_start|>system\nBe brief.\nPlan mode.<|im_end|>\n<|im_start|>user\n"),
+        # later: before the text of the next user turn
+        (
+            [*USER, _assistant("Hi."), _system("Plan mode."), {"role": "user", "content": "And Rome?"}],
+            "<|im_start|>user\nPlan mode.\n\nAnd Rome?<|im_end|>",
+        ),
+        # followed by no user turn: after the text of the user turn before it
+        ([*USER, _system("Plan mode."), _assistant("It is")], "Paris?\n\nPlan mode.<|im_end|>\n<|im_start|>assistant"),
+        # with no user turn beside it: a user turn of its own, in its place
+        ([*USER, _assistant("Hi."), _system("Plan mode.")], "Hi.<|im_end|>\n<|im_start|>user\nPlan mode.<|im_end|>"),
+    ],
+)
+async def test_a_system_message_in_messages_reaches_the_prompt_in_its_place(atom, messages, expected):
+    assert expected in rendered(atom, body(messages=messages, system="Be brief."))
+
+
+async def test_clear_thinking_drops_the_thinking_of_older_turns(client, atom):
+    def call(thought: str, n: int) -> list[dict[str, Any]]:
+        tool_use = {"type": "tool_use", "id": f"toolu_{n}", "name": "get_weather", "input": {"city": "Paris"}}
+        result = {"type": "tool_result", "tool_use_id": f"toolu_{n}", "content": "18 C"}
+        thinking = {"type": "thinking", "thinking": thought, "signature": "sig"}
+        return [{"role": "assistant", "content": [thinking, tool_use]}, {"role": "user", "content": [result]}]
+
+    messages = [*USER, *call("First thought.", 1), *call("Second thought.", 2)]
+
+    def keeping(keep: Any) -> dict[str, Any]:
+        edit = {"type": "clear_thinking_20251015", "keep": keep}
+        return body(messages=messages, tools=[WEATHER_TOOL], context_management={"edits": [edit]})
+
+    every, last = rendered(atom, keeping("all")), rendered(atom, keeping({"type": "thinking_turns", "value": 1}))
+    assert every == rendered(atom, body(messages=messages, tools=[WEATHER_TOOL]))  # without edits: as sent
+    assert "First thought." in every and "Second thought." in every
+    assert "First thought." not in last and "Second thought." in last
+    counts = []
+    for keep in ("all", {"type": "thinking_turns", "value": 1}, {"type": "thinking_turns", "value": 0}):
+        request = {k: v for k, v in keeping(keep).items() if k != "max_tokens"}
+        _, count = await post(client, request, "/v1/messages/count_tokens")
+        counts.append(count["input_tokens"])
+    assert counts[0] > counts[1] > counts[2]
+
+
+async def test_omitted_thinking_comes_back_empty_and_signed(client, script):
+    script(THINK_THEN_CALL)
+    shown = body(tools=[WEATHER_TOOL], thinking={"type": "adaptive", "display": "summarized"}, max_tokens=2048)
+    omitted = {**shown, "thinking": {"type": "adaptive", "display": "omitted"}}
+    _, whole = await post(client, shown)
+    _, hidden = await post(client, omitted)
+    assert whole["content"][0]["thinking"] == THOUGHT
+    assert hidden["content"][0] == {"type": "thinking", "thinking": "", "signature": whole["content"][0]["signature"]}
+    assert [b["type"] for b in hidden["content"]] == ["thinking", "text", "tool_use"]
+    r = await client.post("/v1/messages", json={**omitted, "stream": True}, headers=HEADERS)
+    events = events_of(await r.get_data(as_text=True))
+    deltas = [d["delta"]["type"] for n, d in events if n == "content_block_delta"]
+    assert "thinking_delta" not in deltas and "signature_delta" in deltas
+    assert content_of(events)[0] == hidden["content"][0]
+
+
+async def test_effort_sets_the_thinking_switch_when_thinking_is_absent(atom):
+    # a server whose default turns thinking off, so that effort visibly turns it on
+    ctx = dataclasses.replace(atom.runtime.prepare_ctx, default_chat_template_kwargs={"enable_thinking": False})
+    plain = {k: v for k, v in body().items() if k != "thinking"}
+    closed, opened = "<think>\n\n</think>\n\n", "<|im_start|>assistant\n<think>\n"
+    assert rendered(atom, plain, ctx).endswith(closed)
+    assert rendered(atom, {**plain, "output_config": {"effort": "low"}}, ctx).endswith(opened)
+    assert rendered(atom, body(output_config={"effort": "max"}), ctx).endswith(closed)  # thinking disabled wins
+
+
+async def test_server_tools_are_accepted_not_offered_and_logged_once(client):
+    bash = {"type": "bash_20250124", "name": "bash"}
+    count = {"model": MODEL, "messages": USER}
+
+    async def tokens(**fields: Any) -> int:
+        status, got = await post(client, {**count, **fields}, "/v1/messages/count_tokens")
+        assert status == 200, got
+        return got["input_tokens"]
+
+    assert await tokens(tools=[WEATHER_TOOL, WEB_SEARCH, bash]) == await tokens(tools=[WEATHER_TOOL])
+    assert await tokens(tools=[WEB_SEARCH, bash]) == await tokens()
+    with capture_logs() as logs:
+        for _ in range(2):
+            status, _msg = await post(client, body(tools=[bash, WEATHER_TOOL, WEB_SEARCH]))
+            assert status == 200
+    [line] = [e for e in logs if e["event"] == "anthropic.not_applied"]
+    assert line["features"] == ["server tool bash (bash_20250124)", "server tool web_search (web_search_20250305)"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        (
+            {"system": [{"type": "text", "text": "Hi", "cache_control": {"type": "ephemeral", "ttl": "10m"}}]},
+            "system.0.cache_control.ttl",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "text", "text": "Hi", "cache_control": {"type": "x"}}]}
+                ]
+            },
+            "block 0.cache_control.type",
+        ),
+        (
+            {"tools": [{**WEATHER_TOOL, "cache_control": {"type": "ephemeral", "ttl": "1d"}}]},
+            "tools.0.cache_control.ttl",
+        ),
+        ({"tools": [{"name": "no_schema"}]}, "input_schema"),
+        ({"output_config": {"effort": "extreme"}}, "output_config.effort"),
+        ({"output_config": {"format": {"type": "xml"}}}, "output_config.format.type"),
+        ({"thinking": {"type": "adaptive", "display": "full"}}, "thinking.display"),
+        ({"context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "some"}]}}, "keep"),
+    ],
+)
+async def test_bad_claude_code_fields_are_a_400_naming_the_field(client, fields, named):
+    status, err = await post(client, body(**fields))
+    assert status == 400 and err["error"]["type"] == "invalid_request_error"
+    assert named in err["error"]["message"], err
+
+
+async def test_sdk_beta_stream_of_a_claude_code_request(sdk, script):
+    script(THINK_THEN_CALL)
+    fields = {k: v for k, v in claude_code_body().items() if k != "stream"}
+    async with sdk.beta.messages.stream(
+        **fields, betas=CLAUDE_CODE_BETAS, extra_headers={"X-Claude-Code-Session-Id": SESSION_ID}
+    ) as stream:
+        kinds = [event.type async for event in stream]
+        final = await stream.get_final_message()
+    assert "signature" in kinds and "thinking" not in kinds  # omitted: no thinking deltas
+    assert [b.type for b in final.content] == ["thinking", "text", "tool_use"]
+    assert final.content[0].thinking == "" and final.content[0].signature
+    assert final.stop_reason == "tool_use"

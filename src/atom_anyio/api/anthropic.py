@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pydantic_core
+import structlog
 from quart import Blueprint
 
 from atom_anyio.api.anthropic_schemas import MessagesInput, MessagesRequest
@@ -21,6 +23,7 @@ from atom_anyio.parse import OutputParser, ParsedDelta, ToolCall, ToolCallDelta
 from atom_anyio.prompt.prepare import PreparedPrompt, tokenize_prompt
 
 Event = dict[str, Any]
+log = structlog.get_logger("atom_anyio.api")
 
 
 def messages_blueprint(rt: Runtime) -> Blueprint:
@@ -30,6 +33,7 @@ def messages_blueprint(rt: Runtime) -> Blueprint:
     async def messages() -> Any:
         req = await parse_body(MessagesRequest)
         rt.check_model(req.model)
+        _log_unapplied(req.unapplied)
         keeps_special = rt.parser_spec.decodes_special_tokens(parse_tools=req.parses_tools)
         params = req.sampling_params(keeps_special, defaults=rt.loaded.generation_defaults)
 
@@ -44,9 +48,17 @@ def messages_blueprint(rt: Runtime) -> Blueprint:
     async def count_tokens() -> Any:
         req = await parse_body(MessagesInput)
         rt.check_model(req.model)
+        _log_unapplied(req.unapplied)
         return {"input_tokens": await rt.run_in_prepare_thread(_count_tokens, rt, req)}
 
     return bp
+
+
+@functools.lru_cache(maxsize=64)
+def _log_unapplied(features: tuple[str, ...]) -> None:
+    """One line per distinct set: Claude Code sends the same ones on every request."""
+    if features:
+        log.warning("anthropic.not_applied", features=list(features))
 
 
 def _count_tokens(rt: Runtime, req: MessagesInput) -> int:
@@ -61,9 +73,8 @@ class MessageEncoder:
         self.id = new_id("msg_")
         self.model = rt.model_name
         self.usage = Usage()
-        self.blocks = ContentBlocks(
-            OutputParser(rt.parser_spec, prepared.opens_reasoning, parse_tools=req.parses_tools)
-        )
+        parser = OutputParser(rt.parser_spec, prepared.opens_reasoning, parse_tools=req.parses_tools)
+        self.blocks = ContentBlocks(parser, shows_thinking=req.shows_thinking)
         self.last: Delta | None = None
 
     async def response(self, stream: DeltaStream) -> dict[str, Any]:
@@ -150,10 +161,14 @@ class ContentBlocks:
 
     A block runs until output of another kind arrives. Text blocks hold whitespace back until
     visible text follows it, and one after another block starts at its first visible character:
-    the separators around reasoning and tool calls are template markup, not content."""
+    the separators around reasoning and tool calls are template markup, not content.
+    ``shows_thinking`` false (display "omitted"): thinking blocks stay empty, their signature still
+    the digest of what the model thought."""
 
-    def __init__(self, parser: OutputParser):
+    def __init__(self, parser: OutputParser, *, shows_thinking: bool = True):
         self.parser = parser
+        self.shows_thinking = shows_thinking
+        self._thought = hashlib.sha256()  # of the open thinking block
         self.blocks: list[dict[str, Any]] = []
         self._kind: str | None = None  # of the open block (the last one)
         self._call_id: str | None = None  # the parser's id of the open tool call
@@ -190,7 +205,7 @@ class ContentBlocks:
             return []
         block, events = self.blocks[-1], []
         if self._kind == "thinking":
-            block["signature"] = hashlib.sha256(block["thinking"].encode()).hexdigest()
+            block["signature"] = self._thought.hexdigest()
             events.append(self._delta({"type": "signature_delta", "signature": block["signature"]}))
         elif self._kind == "tool_use":
             call = next((c for c in self.parser.tool_calls if c.id == self._call_id), None)
@@ -212,7 +227,13 @@ class ContentBlocks:
         return {"type": "content_block_delta", "index": len(self.blocks) - 1, "delta": delta}
 
     def _thinking(self, text: str) -> list[Event]:
-        events = [] if self._kind == "thinking" else self._open({"type": "thinking", "thinking": "", "signature": ""})
+        events: list[Event] = []
+        if self._kind != "thinking":
+            events = self._open({"type": "thinking", "thinking": "", "signature": ""})
+            self._thought = hashlib.sha256()
+        self._thought.update(text.encode())
+        if not self.shows_thinking:
+            return events
         self.blocks[-1]["thinking"] += text
         return [*events, self._delta({"type": "thinking_delta", "thinking": text})]
 
