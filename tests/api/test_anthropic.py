@@ -729,3 +729,19 @@ async def test_sdk_beta_stream_of_a_claude_code_request(sdk, script):
     assert [b.type for b in final.content] == ["thinking", "text", "tool_use"]
     assert final.content[0].thinking == "" and final.content[0].signature
     assert final.stop_reason == "tool_use"
+
+
+async def test_claude_codes_session_and_cache_control_set_the_kv_lease(client, atom):
+    """The turn's KV is leased for its session (the header Claude Code sends) for cache_control's ttl."""
+    bm = atom.runtime.engine.block_manager
+    long_history = [{"role": "user", "content": "river " * 200}]
+    cached = {"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral", "ttl": "1h"}}
+    headers = {**HEADERS, "X-Claude-Code-Session-Id": "session-7"}
+    status, _ = await post(client, body(messages=long_history, system=[cached]), headers=headers)
+    assert status == 200
+    lease = bm.leases["session-7"]
+    assert lease.block_ids and 3500 < lease.expiry - bm.clock() <= 3600
+    status, _ = await post(client, body(messages=long_history, metadata={"user_id": '{"session_id": "s-8"}'}))
+    assert status == 200
+    lease = bm.leases['{"session_id": "s-8"}']  # no cache_control: the server's TTL
+    assert lease.expiry - bm.clock() <= atom.runtime.config.engine.kv_lease_ttl_s

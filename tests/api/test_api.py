@@ -973,3 +973,21 @@ async def test_prepare_runs_off_the_event_loop_which_stays_responsive(tiny_model
     bound = max(0.05, prepare_seconds[0] / 4)
     assert max(lags) < bound, f"event-loop lag {max(lags) * 1000:.1f} ms; prepare took {prepare_seconds[0]:.3f} s"
     assert len(prepare_threads) == 1 and prepare_threads[0] != loop_thread
+
+
+async def test_prompt_cache_key_and_session_headers_key_the_kv_lease(client, atom):
+    """A finished request's KV is leased for its conversation: OpenAI's prompt_cache_key, else the
+    session header of Codex (session-id); a request with neither leases its own blocks alone."""
+    bm = atom.runtime.engine.block_manager
+    long_question = "Tell me about rivers. " * 20
+    await post(client, "/v1/chat/completions", chat(long_question, **greedy(4), prompt_cache_key="conv-1"))
+    assert bm.leases["conv-1"].block_ids
+    r = await client.post(
+        "/v1/completions", json={"prompt": long_question, **greedy(4)}, headers={"session-id": "codex-2"}
+    )
+    assert r.status_code == 200 and bm.leases["codex-2"].block_ids
+    # the conversation's next turn hits its leased history and leases the new one in its place
+    before = bm.num_leased_hit_tokens
+    data = await post(client, "/v1/chat/completions", chat(long_question, **greedy(4), prompt_cache_key="conv-1"))
+    assert bm.num_leased_hit_tokens - before == data["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert bm.leases["conv-1"].block_ids

@@ -60,10 +60,10 @@ class StepLog:
             self.prev_tokens.append(len(step.prev_tokens))
             return execute(step)
 
-        def checked_free_seq(seq):
+        def checked_free_seq(seq, lease=False):
             assert not (seq.block_table and seq.num_scheduled_tokens), "blocks freed while a step writes them"
             self.num_freed += bool(seq.block_table)
-            free_seq(seq)
+            free_seq(seq, lease)
 
         def checked_preempt(seq):
             assert not seq.num_scheduled_tokens, "a sequence in a step in flight was preempted"

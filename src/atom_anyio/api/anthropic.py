@@ -15,7 +15,7 @@ from quart import Blueprint
 from atom_anyio.api.anthropic_schemas import MessagesInput, MessagesRequest
 from atom_anyio.api.errors import APIError
 from atom_anyio.api.generation import Deltas
-from atom_anyio.api.http import new_id, parse_body, sse
+from atom_anyio.api.http import kv_lease, new_id, parse_body, sse
 from atom_anyio.api.runtime import Runtime
 from atom_anyio.api.usage import Usage
 from atom_anyio.engine.stream import Delta, DeltaStream
@@ -41,7 +41,9 @@ def messages_blueprint(rt: Runtime) -> Blueprint:
             [p] = prepared
             return MessageEncoder(rt, req, p)
 
-        prompt = req.prompt_request(params, req.structured(rt.parser_spec))
+        # the conversation: Claude Code's session (its header, or metadata.user_id, which names it); cache_control's ttl
+        lease = kv_lease(req.metadata and req.metadata.user_id, req.cache_ttl_s)
+        prompt = req.prompt_request(params, req.structured(rt.parser_spec), lease)
         return await rt.generate([prompt], is_stream=req.stream, encoder_for=encoder_for)
 
     @bp.post("/v1/messages/count_tokens")

@@ -11,6 +11,7 @@ from pydantic import Discriminator, Field, Tag, TypeAdapter, ValidationError, fi
 
 from atom_anyio.api.openai_schemas import Lenient, thinking_enabled
 from atom_anyio.api.structured import forced_tools, only_one, response_format
+from atom_anyio.engine.request import KVLease
 from atom_anyio.models.generation_defaults import with_defaults
 from atom_anyio.parse import ParserSpec
 from atom_anyio.prompt.prepare import PromptRequest
@@ -380,7 +381,10 @@ class MessagesInput(Lenient):
         return out
 
     def prompt_request(
-        self, params: SamplingParams | None = None, structured: StructuredOutputs | None = None
+        self,
+        params: SamplingParams | None = None,
+        structured: StructuredOutputs | None = None,
+        lease: KVLease = KVLease(),
     ) -> PromptRequest:
         """The prompt; ``params`` None (counting tokens): the rest of the context."""
         return PromptRequest(
@@ -391,6 +395,7 @@ class MessagesInput(Lenient):
             continue_final_message=self.continues_assistant,
             params=params or SamplingParams(max_tokens=None),
             structured=structured,
+            lease=lease,
         )
 
     def structured(self, spec: ParserSpec) -> StructuredOutputs | None:

@@ -14,9 +14,21 @@ from quart import Response, request
 
 from atom_anyio.api.errors import APIError, from_validation_error
 from atom_anyio.api.limits import check_body, depth_error
+from atom_anyio.engine.request import KVLease
 
 M = TypeVar("M", bound=BaseModel)
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # only bodies with one are checked for a lone half
+# the agent CLIs' session ids: Claude Code's, Codex's
+SESSION_HEADERS = ("x-claude-code-session-id", "session-id")
+MAX_LEASE_KEY_CHARS = 256
+
+
+def kv_lease(key: str | None = None, ttl_s: float | None = None) -> KVLease:
+    """How the request's KV outlasts it: for its conversation (the body's key, e.g. OpenAI's
+    ``prompt_cache_key``, else an agent CLI's session header; none: the request alone), for
+    ``ttl_s`` (None: the server's ``kv_lease_ttl_s``)."""
+    key = key or next((v for h in SESSION_HEADERS if (v := request.headers.get(h))), None)
+    return KVLease(key[:MAX_LEASE_KEY_CHARS] if key else None, ttl_s)
 
 
 async def parse_body(model: type[M]) -> M:

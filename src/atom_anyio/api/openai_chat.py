@@ -10,7 +10,7 @@ from quart import Blueprint
 
 from atom_anyio.api.errors import APIError
 from atom_anyio.api.generation import Deltas, TokenText
-from atom_anyio.api.http import new_id, now, parse_body, sse
+from atom_anyio.api.http import kv_lease, new_id, now, parse_body, sse
 from atom_anyio.api.openai_schemas import ChatCompletionRequest
 from atom_anyio.api.runtime import Runtime
 from atom_anyio.api.usage import Usage
@@ -42,6 +42,7 @@ def chat_blueprint(rt: Runtime) -> Blueprint:
             params=params,
             truncate_prompt_tokens=req.truncate_prompt_tokens,
             structured=req.structured(rt.parser_spec),
+            lease=kv_lease(req.prompt_cache_key),
         )
 
         def encoder_for(prepared: list[PreparedPrompt]) -> ChatEncoder:

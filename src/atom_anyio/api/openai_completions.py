@@ -9,7 +9,7 @@ from typing import Any
 from quart import Blueprint
 
 from atom_anyio.api.generation import Deltas
-from atom_anyio.api.http import parse_body, sse
+from atom_anyio.api.http import kv_lease, parse_body, sse
 from atom_anyio.api.openai_chat import OpenAIEncoder, openai_finish_reason
 from atom_anyio.api.openai_schemas import CompletionRequest
 from atom_anyio.api.runtime import Runtime
@@ -34,6 +34,7 @@ def completions_blueprint(rt: Runtime) -> Blueprint:
                 params=params,  # one for every prompt: read, never changed
                 truncate_prompt_tokens=req.truncate_prompt_tokens,
                 structured=structured,
+                lease=kv_lease(req.prompt_cache_key),
             )
             for p in req.prompts()
         ]

@@ -1,13 +1,21 @@
-"""Paged KV blocks with reference counts and a prefix cache.
+"""Paged KV blocks with reference counts, a prefix cache and leases.
 
     block states                      transitions
     ────────────                      ───────────
-    used    ref > 0                   allocate / cache hit: free -> used, ref += 1
-    cached  ref == 0, hash set        free(seq): ref -= 1; at 0 -> cached (or empty)
-    empty   ref == 0, no hash         take from the LRU head: cached -> used, hash dropped
+    used    ref > 0                   allocate / cache hit: free or leased -> used, ref += 1
+    cached  ref == 0, hash set        free(seq): ref -= 1; at 0 -> cached (or empty), or leased
+    leased  cached, held by a lease   when its sequence finished (free_seq(seq, lease=True))
+    empty   ref == 0, no hash         take: the LRU head, else the earliest-expiring lease's blocks
 
-* ``free`` is an LRU of every ref-0 block (cached and empty), oldest first;
-  a new block is always taken from its head, evicting that block's hash.
+* ``free`` is an LRU of every unleased ref-0 block (cached and empty), oldest first;
+  a new block is taken from its head, evicting that block's hash.
+* A finished sequence's cached blocks outlast it under a lease (an agent's history while it runs a
+  tool): keyed to its conversation (``KVLease.key``; none given: the sequence alone), for a TTL
+  (``kv_lease_ttl_s``, or the request's), at most ``kv_lease_fraction`` of the pool. Leases are
+  soft: leased blocks count as free, and when the LRU is empty the lease that expires first goes
+  whole to its head. An expired lease goes there too; a conversation's next lease replaces its
+  last; a full share refuses new leases (their blocks join the LRU), so a cyclic working set
+  larger than the pool keeps part of it whole instead of losing all of it to the LRU.
 * A block's hash is set only once all of its tokens' KV has been computed,
   so a hit never reads KV that is still being written.
 * A hit is verified against the block's stored tokens: a hash collision can
@@ -23,8 +31,12 @@
 
 from __future__ import annotations
 
+import heapq
+import itertools
+import time
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable
 
 from atom_anyio.engine import kv_events
 from atom_anyio.engine.block_hash import ROOT_HASH, hash_block
@@ -40,8 +52,27 @@ class Block:
         self.hash: int | None = None
 
 
+class Lease:
+    """A finished conversation's cached blocks, kept until ``expiry``; ``block_ids`` in eviction order."""
+
+    __slots__ = ("key", "expiry", "block_ids")
+
+    def __init__(self, key: str, expiry: float):
+        self.key = key
+        self.expiry = expiry
+        self.block_ids: dict[int, None] = {}
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, record_events: bool = False):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        record_events: bool = False,
+        lease_ttl_s: float = 0.0,  # 0: finished sequences' blocks join the LRU at once
+        lease_fraction: float = 0.5,  # of the pool, at most, under leases
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.block_tokens = array("i", bytes(4 * num_blocks * block_size))  # a cached block's tokens, by block id
@@ -50,6 +81,14 @@ class BlockManager:
         self.num_hit_tokens = 0  # prefix-cache hits since start (a counter for metrics)
         self.num_queried_tokens = 0  # prompt tokens looked up in the prefix cache since start
         self.events: list | None = [kv_events.all_blocks_cleared()] if record_events else None
+        self.lease_ttl_s = lease_ttl_s
+        self.max_leased_blocks = int(num_blocks * lease_fraction)
+        self.clock = clock
+        self.leases: dict[str, Lease] = {}  # by conversation key
+        self.lease_of: dict[int, Lease] = {}  # leased block id -> its lease
+        self._expiries: list[tuple[float, int, Lease]] = []  # a heap; entries of replaced leases are skipped
+        self._lease_order = itertools.count()
+        self.num_leased_hit_tokens = 0  # prefix-cache hits on leased blocks since start
 
     @property
     def num_blocks(self) -> int:
@@ -57,11 +96,16 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free)
+        """Blocks a sequence can take: the LRU's and the leased ones (leases are soft)."""
+        return len(self.free) + len(self.lease_of)
+
+    @property
+    def num_leased_blocks(self) -> int:
+        return len(self.lease_of)
 
     @property
     def usage(self) -> float:
-        return 1.0 - len(self.free) / len(self.blocks)
+        return 1.0 - self.num_free_blocks / len(self.blocks)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -85,14 +129,17 @@ class BlockManager:
         """Enough free blocks for the hit blocks that are free plus the new chunk."""
         num_hit_free = sum(1 for b in hits if self.blocks[b].ref_count == 0)
         needed = self.blocks_needed(len(hits) * self.block_size + num_new_tokens) - len(hits)
-        return num_hit_free + needed <= len(self.free)
+        return num_hit_free + needed <= self.num_free_blocks
 
     def admit(self, seq: Sequence, hits: list[int]) -> None:
         """Take the cached prefix for ``seq``; its compute starts after it."""
         assert not seq.block_table
         for block_id in hits:
             block = self.blocks[block_id]
-            if block.ref_count == 0:
+            if block.ref_count == 0 and block_id in self.lease_of:
+                self._unlease(block_id)
+                self.num_leased_hit_tokens += self.block_size
+            elif block.ref_count == 0:
                 del self.free[block_id]
             block.ref_count += 1
             seq.block_table.append(block_id)
@@ -115,7 +162,7 @@ class BlockManager:
     def grow(self, seq: Sequence, num_new_tokens: int) -> None:
         """Give ``seq`` slots for its next ``num_new_tokens`` tokens."""
         for _ in range(self.num_blocks_to_grow(seq, num_new_tokens)):
-            block_id, _ = self.free.popitem(last=False)
+            block_id = self._take()
             block = self.blocks[block_id]
             if block.hash is not None:
                 del self.cached[block.hash]
@@ -176,15 +223,81 @@ class BlockManager:
         events, self.events = self.events, [] if self.events is not None else None
         return events or []
 
-    def free_seq(self, seq: Sequence) -> None:
-        """Drop ``seq``'s references; its cached blocks stay reusable (LRU)."""
-        # the tail first, so the LRU evicts a prompt's last blocks before its first
-        for block_id in reversed(seq.block_table):
+    def free_seq(self, seq: Sequence, lease: bool = False) -> None:
+        """Drop ``seq``'s references; its cached blocks stay reusable (LRU), or under a lease
+        (``lease``: it finished, and leases are on) for its next turn."""
+        freed = []
+        for block_id in seq.block_table:
             block = self.blocks[block_id]
             block.ref_count -= 1
             assert block.ref_count >= 0
             if block.ref_count == 0:
-                self.free[block_id] = None
+                freed.append(block_id)
+        held = self._new_lease(seq) if lease and freed else None
+        if held is not None:  # the leading cached blocks, as many as the share has room for
+            room = self.max_leased_blocks - len(self.lease_of)
+            kept = [b for b in freed if self.blocks[b].hash is not None][:room]
+            for block_id in reversed(kept):  # the tail first out
+                held.block_ids[block_id] = None
+                self.lease_of[block_id] = held
+            freed = [b for b in freed if b not in held.block_ids]
+        # the tail first, so the LRU evicts a prompt's last blocks before its first
+        for block_id in reversed(freed):
+            self.free[block_id] = None
         seq.block_table = array("i")
         seq.num_computed_tokens = 0
         seq.num_committed_blocks = 0
+
+    # leases
+
+    def _new_lease(self, seq: Sequence) -> Lease | None:
+        """The lease for ``seq``'s blocks (its conversation's last one replaced), or None: leases
+        are off, the request asked for none, or the share is full."""
+        self._expire()
+        ttl = self.lease_ttl_s if seq.lease.ttl_s is None else seq.lease.ttl_s
+        key = seq.lease.key or f"seq:{seq.seq_id}"
+        if (old := self.leases.get(key)) is not None:
+            self._release(old)
+        if ttl <= 0 or len(self.lease_of) >= self.max_leased_blocks:
+            return None
+        lease = self.leases[key] = Lease(key, self.clock() + ttl)
+        heapq.heappush(self._expiries, (lease.expiry, next(self._lease_order), lease))
+        return lease
+
+    def _take(self) -> int:
+        """A block for a sequence: the LRU's oldest, else one of the lease that expires first."""
+        self._expire()
+        while not self.free:
+            self._release(self._earliest_lease())
+        block_id, _ = self.free.popitem(last=False)
+        return block_id
+
+    def _expire(self) -> None:
+        now = self.clock()
+        while self._expiries and self._expiries[0][0] <= now:
+            _, _, lease = heapq.heappop(self._expiries)
+            if self.leases.get(lease.key) is lease:
+                self._release(lease)
+
+    def _earliest_lease(self) -> Lease:
+        while True:
+            lease = self._expiries[0][2]
+            if self.leases.get(lease.key) is lease:
+                return lease
+            heapq.heappop(self._expiries)
+
+    def _release(self, lease: Lease) -> None:
+        """The lease's blocks to the LRU's head, first out, in its order."""
+        del self.leases[lease.key]
+        for block_id in reversed(lease.block_ids):
+            del self.lease_of[block_id]
+            self.free[block_id] = None
+            self.free.move_to_end(block_id, last=False)
+        lease.block_ids.clear()
+
+    def _unlease(self, block_id: int) -> None:
+        """A leased block hit by its conversation's next turn (or another prompt sharing it)."""
+        lease = self.lease_of.pop(block_id)
+        del lease.block_ids[block_id]
+        if not lease.block_ids:
+            del self.leases[lease.key]

@@ -63,7 +63,13 @@ class Engine:
         per_block = kv_bytes_per_token(loaded.model, param.dtype) * cfg.block_size
         num_blocks = cfg.num_kv_blocks or self._num_pool_blocks(per_block, kv_pool_bytes(cfg, loaded.model))
         self.kv_events = KVEventPublisher(cfg.kv_events) if cfg.kv_events else None  # runs with run()
-        self.block_manager = BlockManager(num_blocks, cfg.block_size, record_events=self.kv_events is not None)
+        self.block_manager = BlockManager(
+            num_blocks,
+            cfg.block_size,
+            record_events=self.kv_events is not None,
+            lease_ttl_s=cfg.kv_lease_ttl_s,
+            lease_fraction=cfg.kv_lease_fraction,
+        )
         self.speculator = _speculator(cfg, loaded)
         self.scheduler = Scheduler(
             self.block_manager,
@@ -161,6 +167,8 @@ class Engine:
             num_blocks=bm.num_blocks,
             num_prefix_queried_tokens=bm.num_queried_tokens,
             num_prefix_hit_tokens=bm.num_hit_tokens,
+            num_leased_blocks=bm.num_leased_blocks,
+            num_leased_hit_tokens=bm.num_leased_hit_tokens,
             num_preemptions=sched.num_preemptions,
             num_sequences_alive=num_alive(),
             num_kv_events_dropped=None if self.kv_events is None else self.kv_events.num_dropped,

@@ -24,6 +24,12 @@ class EngineConfig:
     )
     num_kv_blocks: int | None = setting(None, "KV blocks in the pool, overriding the memory budget")
     enable_prefix_caching: bool = setting(True, "reuse the KV of prompt blocks seen before")
+    kv_lease_ttl_s: float = setting(
+        30.0,
+        "a finished request's cached blocks are kept this long for its conversation's next turn (an agent "
+        "running a tool), before the LRU takes them; a request's hints set its own; 0: off (docs/engine.md)",
+    )
+    kv_lease_fraction: float = setting(0.5, "the share of the KV pool that leases may hold at most")
     max_consecutive_step_failures: int = setting(3, "failed model steps in a row before the engine is unhealthy")
     max_pending_deltas: int = setting(64, "unread deltas per request; past it a slow reader's deltas are merged")
     # the forward leaves the GIL, and on the 2-core VM two threads served 1.6x the output of one at c16
@@ -73,6 +79,11 @@ class EngineConfig:
             raise ValueError("cuda_graphs runs with tensor_parallel_size 1 only")
         if self.tensor_parallel_size > 1 and self.async_scheduling:
             raise ValueError("async_scheduling runs with tensor_parallel_size 1 only")
+        if not 0 <= self.kv_lease_fraction <= 1 or self.kv_lease_ttl_s < 0:
+            raise ValueError(
+                f"kv_lease_fraction must be in [0, 1] and kv_lease_ttl_s at least 0, not "
+                f"{self.kv_lease_fraction} and {self.kv_lease_ttl_s}"
+            )
         if self.kv_cache_gib <= 0:
             raise ValueError(f"kv_cache_gib must be positive, not {self.kv_cache_gib}")
 

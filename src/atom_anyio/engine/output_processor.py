@@ -58,7 +58,7 @@ class OutputProcessor:
             self._process_tokens(batch, done.step, result)
         for seq in batch.seqs:
             if seq.is_finished and not seq.num_scheduled_tokens:
-                self.block_manager.free_seq(seq)
+                self.block_manager.free_seq(seq, lease=True)
 
     def _process_tokens(self, batch: ScheduledBatch, step: StepInput, result: StepOutput) -> None:
         self.num_consecutive_failures = 0

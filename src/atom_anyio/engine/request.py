@@ -19,6 +19,16 @@ class ReasoningBudget:
 
 
 @dataclass(frozen=True)
+class KVLease:
+    """How a finished request's KV should outlast it (``block_manager``'s leases): for its
+    conversation ``key`` (a prompt_cache_key, a session header; None: the request alone), for
+    ``ttl_s`` seconds (None: the server's ``kv_lease_ttl_s``; 0: no lease)."""
+
+    key: str | None = None
+    ttl_s: float | None = None
+
+
+@dataclass(frozen=True)
 class EngineRequest:
     """One prompt and how to continue it. Built once by ``prompt.prepare.prepare_prompt``, where it
     is checked against the context, the KV pool and the vocabulary; the engine only asserts."""
@@ -31,6 +41,7 @@ class EngineRequest:
     # the prompt leaves a reasoning block open: the tokens of its end tag (the grammar waits for them,
     # a reasoning budget forces them); (): it does not
     reasoning_end_ids: tuple[int, ...] = ()
+    lease: KVLease = KVLease()
 
     @property
     def num_prompt_tokens(self) -> int:

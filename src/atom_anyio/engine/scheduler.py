@@ -151,7 +151,7 @@ class Scheduler:
             with contextlib.suppress(ValueError):  # a sibling not yet released to the queue
                 self.waiting.remove(seq)
         if not seq.num_scheduled_tokens:
-            self.bm.free_seq(seq)
+            self.bm.free_seq(seq, lease=True)
         seq.status = Status.FINISHED
 
 

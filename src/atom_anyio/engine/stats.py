@@ -26,6 +26,8 @@ class EngineStats:
     num_blocks: int
     num_prefix_queried_tokens: int  # counters since start
     num_prefix_hit_tokens: int
+    num_leased_blocks: int  # cached blocks held for a finished conversation's next turn
+    num_leased_hit_tokens: int  # prefix-cache hits on leased blocks since start
     num_preemptions: int
     num_sequences_alive: int  # Sequence objects alive in the process
     num_kv_events_dropped: int | None  # None: no KV events configured

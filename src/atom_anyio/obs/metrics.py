@@ -66,6 +66,16 @@ class EngineCollector(Collector):
         yield CounterMetricFamily(
             "atom_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", value=s.num_prefix_hit_tokens
         )
+        yield GaugeMetricFamily(
+            "atom_kv_cache_blocks_leased",
+            "Cached blocks kept for a conversation's next turn",
+            value=s.num_leased_blocks,
+        )
+        yield CounterMetricFamily(
+            "atom_prefix_cache_leased_hit_tokens",
+            "Prompt tokens served from leased blocks",
+            value=s.num_leased_hit_tokens,
+        )
         yield CounterMetricFamily("atom_preemptions", "Sequences preempted (recompute)", value=s.num_preemptions)
         yield GaugeMetricFamily(
             "atom_sequences_alive", "Sequence objects alive in the process", value=s.num_sequences_alive

@@ -17,7 +17,7 @@ import structlog
 
 from atom_anyio.engine.block_hash import block_hash_chain
 from atom_anyio.engine.grammar import Constraint, GrammarError, Grammars
-from atom_anyio.engine.request import EngineRequest
+from atom_anyio.engine.request import EngineRequest, KVLease
 from atom_anyio.parse import ParserSpec
 from atom_anyio.parse.reasoning import opens_reasoning
 from atom_anyio.prompt.drop_oldest import drop_oldest
@@ -72,6 +72,7 @@ class PromptRequest:
     truncate_prompt_tokens: int | None = None  # keep only the last N prompt tokens; -1: as many as fit
     truncation: str | None = None  # None: the server's policy; "disabled"; "auto"/"drop_oldest"
     structured: StructuredOutputs | None = None  # compiled in the same step, by the context's grammar compiler
+    lease: KVLease = KVLease()  # how the request's KV outlasts it: its conversation and TTL, from the API's hints
 
     @property
     def param(self) -> str:
@@ -234,6 +235,7 @@ def prepare_prompt(request: PromptRequest, ctx: PrepareContext) -> PreparedPromp
         max_tokens,
         _constraint(request, ctx),
         ctx.reasoning_end_ids if opens_reasoning(text, ctx.parser_spec.reasoning_tags) else (),
+        request.lease,
     )
     return PreparedPrompt(engine_request, text, num_hits, num_dropped)
 
