@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from atom_anyio.version import __version__
+
 __all__ = ["LLM", "SamplingParams", "app", "__version__"]
 
 

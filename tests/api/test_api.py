@@ -991,3 +991,20 @@ async def test_prompt_cache_key_and_session_headers_key_the_kv_lease(client, ato
     data = await post(client, "/v1/chat/completions", chat(long_question, **greedy(4), prompt_cache_key="conv-1"))
     assert bm.num_leased_hit_tokens - before == data["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     assert bm.leases["conv-1"].block_ids
+
+
+async def test_cache_salt_keeps_one_tenants_prefix_hits_from_anothers(client):
+    question = "Tell me about mountains. " * 20
+
+    def cached(data: dict[str, Any]) -> int:
+        return data["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    first = await post(client, "/v1/chat/completions", chat(question, **greedy(2), cache_salt="tenant-a"))
+    again = await post(client, "/v1/chat/completions", chat(question, **greedy(2), cache_salt="tenant-a"))
+    other = await post(client, "/v1/chat/completions", chat(question, **greedy(2), cache_salt="tenant-b"))
+    unsalted = await post(client, "/v1/chat/completions", chat(question, **greedy(2)))
+    assert cached(first) == 0 and cached(again) > 0  # a tenant's repeated prompt still hits
+    assert cached(other) == 0  # another tenant's does not
+    assert cached(unsalted) < cached(again)  # nor an unsalted one's (it shares only the default system prompt's block)
+    data = await post(client, "/v1/chat/completions", chat(question, **greedy(2), cache_salt=""), status=400)
+    assert_openai_error(data, param="cache_salt")

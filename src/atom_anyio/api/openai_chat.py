@@ -43,6 +43,7 @@ def chat_blueprint(rt: Runtime) -> Blueprint:
             truncate_prompt_tokens=req.truncate_prompt_tokens,
             structured=req.structured(rt.parser_spec),
             lease=kv_lease(req.prompt_cache_key),
+            cache_salt=req.cache_salt,
         )
 
         def encoder_for(prepared: list[PreparedPrompt]) -> ChatEncoder:

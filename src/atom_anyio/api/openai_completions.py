@@ -35,6 +35,7 @@ def completions_blueprint(rt: Runtime) -> Blueprint:
                 truncate_prompt_tokens=req.truncate_prompt_tokens,
                 structured=structured,
                 lease=kv_lease(req.prompt_cache_key),
+                cache_salt=req.cache_salt,
             )
             for p in req.prompts()
         ]

@@ -13,12 +13,12 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 from quart import Blueprint
 
-from atom_anyio.version import __version__
 from atom_anyio.api.anthropic_schemas import MessagesInput, MessagesRequest
 from atom_anyio.api.errors import ANTHROPIC_STATUSES
 from atom_anyio.api.openai_schemas import ChatCompletionRequest, CompletionRequest
 from atom_anyio.api.responses_schemas import ResponsesRequest
 from atom_anyio.api.tokenize import DetokenizeRequest, TokenizeRequest
+from atom_anyio.version import __version__
 
 REF = "#/components/schemas/{model}"
 BEARER = [{"bearer": []}]

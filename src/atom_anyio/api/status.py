@@ -6,8 +6,8 @@ from typing import Any
 
 from quart import Blueprint, Response
 
-from atom_anyio.version import __version__
 from atom_anyio.api.runtime import Runtime
+from atom_anyio.version import __version__
 
 
 def status_blueprint(rt: Runtime) -> Blueprint:

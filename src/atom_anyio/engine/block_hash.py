@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 ROOT_HASH = 0
@@ -20,3 +21,12 @@ def block_hash_chain(token_ids: Sequence[int], block_size: int, parent: int = RO
         parent = hash_block(parent, token_ids[start : start + block_size])
         hashes.append(parent)
     return hashes
+
+
+def salted_root(cache_salt: str | None) -> int:
+    """The chain's root for a tenant's ``cache_salt`` (vLLM's): hashed into the first block, it keeps
+    one tenant's prefix hits from another's. A stable digest (KV events carry the hashes)."""
+    if not cache_salt:
+        return ROOT_HASH
+    digest = int.from_bytes(hashlib.sha256(cache_salt.encode()).digest()[:8], "little")
+    return hash_block(ROOT_HASH, (digest,))

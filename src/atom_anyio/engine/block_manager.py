@@ -39,7 +39,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from atom_anyio.engine import kv_events
-from atom_anyio.engine.block_hash import ROOT_HASH, hash_block
+from atom_anyio.engine.block_hash import hash_block
 from atom_anyio.engine.sequence import Sequence
 
 
@@ -187,7 +187,7 @@ class BlockManager:
         bs = self.block_size
         num_full = seq.num_computed_tokens // bs
         if len(seq.block_hashes) < num_full:  # generated tokens filled blocks
-            parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_HASH
+            parent = seq.block_hashes[-1] if seq.block_hashes else seq.root_hash
             for i in range(len(seq.block_hashes), num_full):
                 parent = hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs])
                 seq.block_hashes.append(parent)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from atom_anyio.engine.block_hash import block_hash_chain
+from atom_anyio.engine.block_hash import ROOT_HASH, block_hash_chain
 from atom_anyio.engine.grammar import Constraint
 from atom_anyio.sampling_params import SamplingParams
 
@@ -42,6 +42,7 @@ class EngineRequest:
     # a reasoning budget forces them); (): it does not
     reasoning_end_ids: tuple[int, ...] = ()
     lease: KVLease = KVLease()
+    root_hash: int = ROOT_HASH  # the block-hash chain's root: salted_root(cache_salt)
 
     @property
     def num_prompt_tokens(self) -> int:

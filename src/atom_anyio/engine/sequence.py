@@ -57,6 +57,7 @@ class Sequence:
         self.stream = stream
         self.detokenizer = detokenizer
         self.block_hashes = list(request.block_hashes)  # chained hash of every full block
+        self.root_hash = request.root_hash  # what the first block's hash chains on (a tenant's salt)
         self.lease = request.lease  # how its blocks outlast it
         self.block_table = array("i")  # block ids; an int32 buffer the worker reads without a copy
         self.num_computed_tokens = 0

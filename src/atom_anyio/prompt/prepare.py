@@ -15,7 +15,7 @@ from typing import Any
 import jinja2
 import structlog
 
-from atom_anyio.engine.block_hash import block_hash_chain
+from atom_anyio.engine.block_hash import block_hash_chain, salted_root
 from atom_anyio.engine.grammar import Constraint, GrammarError, Grammars
 from atom_anyio.engine.request import EngineRequest, KVLease
 from atom_anyio.parse import ParserSpec
@@ -73,6 +73,7 @@ class PromptRequest:
     truncation: str | None = None  # None: the server's policy; "disabled"; "auto"/"drop_oldest"
     structured: StructuredOutputs | None = None  # compiled in the same step, by the context's grammar compiler
     lease: KVLease = KVLease()  # how the request's KV outlasts it: its conversation and TTL, from the API's hints
+    cache_salt: str | None = None  # vLLM's: a tenant's prefix hits kept from another's
 
     @property
     def param(self) -> str:
@@ -228,14 +229,16 @@ def prepare_prompt(request: PromptRequest, ctx: PrepareContext) -> PreparedPromp
     token_ids, text = _truncate_tokens(request, ctx, token_ids, text)
     max_tokens = _max_tokens(request, ctx, len(token_ids), num_dropped)
     _check_vocabulary(request.params, ctx)
+    root = salted_root(request.cache_salt)
     engine_request = EngineRequest(
         token_ids,
-        block_hash_chain(token_ids, ctx.block_size),
+        block_hash_chain(token_ids, ctx.block_size, root),
         request.params,
         max_tokens,
         _constraint(request, ctx),
         ctx.reasoning_end_ids if opens_reasoning(text, ctx.parser_spec.reasoning_tags) else (),
         request.lease,
+        root,
     )
     return PreparedPrompt(engine_request, text, num_hits, num_dropped)
 
