@@ -1,6 +1,9 @@
 """Agentic load: C concurrent simulated agents, each resending its whole
 history every turn (a ~1k-token system prompt, then a ~1.5k-token tool result
-per turn, 64 output tokens with ``ignore_eos``), for a fixed duration.
+per turn, 64 output tokens with ``ignore_eos``), for a fixed duration, with
+``--pause-min/--pause-max`` seconds of tool time between an agent's turns.
+The later turns' (a conversation's second and after) cached share of their
+prompt tokens and TTFT p50/p90 are reported per window and for the run.
 
     python benchmarks/agentic.py                        # starts atom_anyio on a tiny 64k-context model
     python benchmarks/agentic.py --base-url http://127.0.0.1:8000 --server-pid PID [--compare URL2]
@@ -326,6 +329,8 @@ class Turn:
     num_output_tokens: int
     error: str | None = None
     e2e_s: float | None = None
+    num_cached_tokens: int = 0  # prompt tokens the server served from its prefix cache
+    is_later: bool = False  # a turn after the first of its conversation (its history was sent before)
 
     @property
     def tpot_s(self) -> float | None:
@@ -359,13 +364,17 @@ async def stream_turn(client: httpx.AsyncClient, url: str, body: dict) -> tuple[
         return Turn(time.monotonic(), ttft, 0, 0, f"{type(exc).__name__}: {exc}"[:200]), ""
     end = time.monotonic()
     num_prompt, num_output = usage.get("prompt_tokens", 0), usage.get("completion_tokens", len(parts))
-    return Turn(end, ttft, num_prompt, num_output, e2e_s=end - start), "".join(parts)
+    num_cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return Turn(end, ttft, num_prompt, num_output, e2e_s=end - start, num_cached_tokens=num_cached), "".join(parts)
 
 
 async def agent(
     n: int, client: httpx.AsyncClient, url: str, model: str, args: argparse.Namespace, turns: list[Turn]
 ) -> None:
-    """Turn after turn until cancelled; a conversation that nears the context starts over."""
+    """Turn after turn until cancelled, pausing between turns as a tool would (``--pause-min``..``--pause-max``
+    seconds); a conversation that nears the context or ``--max-history-tokens`` starts over."""
+    rng = random.Random(f"agent{n}-pauses")
+    max_history = min(args.max_model_len, args.max_history_tokens or args.max_model_len)
     for conversation in range(10**9):
         seed = f"agent{n}-conv{conversation}"
         history = [
@@ -382,16 +391,21 @@ async def agent(
                 "stream": True,
                 "stream_options": {"include_usage": True},
             }
+            if args.prompt_cache_key:  # the conversation, as OpenAI's clients name it (Codex: its session id)
+                body["prompt_cache_key"] = seed
             result, reply = await stream_turn(client, url, body)
+            result.is_later = turn > 0
             turns.append(result)
             if result.error:
                 await anyio.sleep(1)  # not a hot loop against a failing server
                 break
-            if result.num_prompt_tokens + 2 * (args.tool_tokens + args.max_tokens) > args.max_model_len:
+            if result.num_prompt_tokens + 2 * (args.tool_tokens + args.max_tokens) > max_history:
                 break
             history.append({"role": "assistant", "content": reply})
             result_text = text(args.tool_tokens, f"{seed}-tool{turn}")
             history.append({"role": "user", "content": f"[tool result {turn}]\n{result_text}"})
+            if args.pause_max > 0:  # the tool runs
+                await anyio.sleep(rng.uniform(args.pause_min, args.pause_max))
 
 
 HISTORY_BUCKET_TOKENS = 8192
@@ -452,13 +466,33 @@ async def run_target(target: Target, args: argparse.Namespace) -> dict:
                 for n in range(args.agents):
                     tg.start_soon(agent, n, client, target.url, model, args, turns)
     windows = [load_row(i, w, turns) for i in range(int(args.duration // args.window))]
-    return {"windows": windows, "history": history_rows(turns)}
+    return {"windows": windows, "history": history_rows(turns), "totals": totals(turns, args.duration)}
+
+
+def totals(turns: list[Turn], duration_s: float) -> dict:
+    """The whole run: turns, output rate, and the later turns' cached share and TTFT."""
+    done = [t for t in turns if t.error is None]
+    later = [t for t in done if t.is_later]
+    ttfts = [t.ttft_s for t in later if t.ttft_s is not None]
+    later_prompt = sum(t.num_prompt_tokens for t in later)
+    return {
+        "turns": len(done),
+        "errors": len(turns) - len(done),
+        "output_tok_s": sum(t.num_output_tokens for t in done) / duration_s,
+        "later_turns": len(later),
+        "later_cached_share": sum(t.num_cached_tokens for t in later) / later_prompt if later_prompt else None,
+        "later_ttft_p50_ms": _ms(percentile(ttfts, 0.5)),
+        "later_ttft_p90_ms": _ms(percentile(ttfts, 0.9)),
+    }
 
 
 def load_row(i: int, w: Windowed, turns: list[Turn]) -> dict:
     mine = [t for t in turns if w.index(t.end) == i]
     done = [t for t in mine if t.error is None]
     ttfts = [t.ttft_s for t in done if t.ttft_s is not None]
+    later = [t for t in done if t.is_later]
+    later_ttfts = [t.ttft_s for t in later if t.ttft_s is not None]
+    later_prompt = sum(t.num_prompt_tokens for t in later)
     return {
         "window": i,
         "turns": len(done),
@@ -466,6 +500,10 @@ def load_row(i: int, w: Windowed, turns: list[Turn]) -> dict:
         "output_tok_s": sum(t.num_output_tokens for t in done) / w.window_s,
         "ttft_p50_ms": _ms(percentile(ttfts, 0.5)),
         "ttft_p99_ms": _ms(percentile(ttfts, 0.99)),
+        # the turns after a conversation's first: how much of their history came from the cache, and their TTFT
+        "later_cached_share": sum(t.num_cached_tokens for t in later) / later_prompt if later_prompt else None,
+        "later_ttft_p50_ms": _ms(percentile(later_ttfts, 0.5)),
+        "later_ttft_p90_ms": _ms(percentile(later_ttfts, 0.9)),
         "mean_prompt_tokens": sum(t.num_prompt_tokens for t in done) / len(done) if done else None,
         **w.server_row(i),
         "error_sample": next((t.error for t in mine if t.error), None),
@@ -484,6 +522,9 @@ COLUMNS = [
     ("out tok/s", "output_tok_s", "{:.1f}"),
     ("TTFT p50 ms", "ttft_p50_ms", "{:.0f}"),
     ("TTFT p99 ms", "ttft_p99_ms", "{:.0f}"),
+    ("later cached", "later_cached_share", "{:.3f}"),
+    ("later TTFT p50", "later_ttft_p50_ms", "{:.0f}"),
+    ("later TTFT p90", "later_ttft_p90_ms", "{:.0f}"),
     ("prompt tok", "mean_prompt_tokens", "{:.0f}"),
     ("running", "running_mean", "{:.1f}"),
     ("RSS MiB", "rss_mib", "{:.0f}"),
@@ -606,6 +647,17 @@ def main() -> None:
     ap.add_argument("--system-tokens", type=int, default=1000)
     ap.add_argument("--tool-tokens", type=int, default=1500)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--pause-min", type=float, default=0.0, help="seconds an agent's tool runs between turns, at least")
+    ap.add_argument("--pause-max", type=float, default=0.0, help="and at most (uniform; 0: no pauses)")
+    ap.add_argument(
+        "--max-history-tokens", type=int, help="a conversation past this starts over (default: the context)"
+    )
+    ap.add_argument(
+        "--prompt-cache-key",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="send each conversation's id as OpenAI's prompt_cache_key (atom_anyio keys its KV lease on it)",
+    )
     args = ap.parse_args()
     args.start_atom = args.start_atom or not args.base_url
 
@@ -622,7 +674,13 @@ def main() -> None:
     if len(results) > 1:
         print_side_by_side(windows, [COLUMNS[2], COLUMNS[3], COLUMNS[5]])
     print_history(results)
-    summary = {label: first_last(rows) for label, rows in windows.items()}
+    print("\nwhole run:")
+    for label, r in results.items():
+        print(
+            f"  {label}: "
+            + ", ".join(f"{k} {fmt(v, '{:.3f}' if isinstance(v, float) else '{}')}" for k, v in r["totals"].items())
+        )
+    summary = {label: {**first_last(rows), **results[label]["totals"]} for label, rows in windows.items()}
     history = {label: r["history"] for label, r in results.items()}
     line = {"bench": "agentic", "args": vars(args), "machine": machine(), "summary": summary, "history": history}
     line["windows"] = windows
