@@ -82,6 +82,12 @@ class Config:
         False, "a context-tokens gauge labelled by request id while the request runs (debugging; bounded by it)"
     )
     responses_store_ttl_s: float = setting(3600.0, "a stored Response expires this long after its last use")
+    responses_seal_key: str | None = setting(
+        None,
+        "the secret that authenticates Responses' encrypted_content (reasoning, compaction items) clients send "
+        "back; unset: a random one per process, so such items do not survive a restart",
+        repr=False,
+    )
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:

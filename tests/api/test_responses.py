@@ -219,7 +219,7 @@ async def test_items_and_instructions_render_as_the_equivalent_chat(client):
         client, {"input": items, "instructions": "Be kind.", "tools": [WEATHER_TOOL], "max_output_tokens": 1}
     )
     assert data["usage"]["input_tokens"] == expected
-    assert data["instructions"] == "Be kind." and data["tools"] == [WEATHER_TOOL]
+    assert data["instructions"] == "Be kind." and data["tools"] == [{**WEATHER_TOOL, "strict": None}]
     # tool_choice "none" leaves the tools out of the prompt
     r = await client.post("/tokenize", json={"messages": chat})
     without_tools = (await r.get_json())["count"]
@@ -368,7 +368,17 @@ async def test_engine_failure_mid_stream_ends_with_an_error_event(client, atom):
         ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input.0.call_id", "invalid_value"),
         ({"input": [{"role": "tool", "content": "x"}]}, "input.0.role", "invalid_value"),
         ({"input": ""}, "input", "invalid_value"),
-        ({"input": "Hi.", "tools": [{"type": "web_search"}]}, "tools.0.type", "unsupported_tool"),
+        ({"input": "Hi.", "tools": [{"type": "calculator"}]}, "tools.0.type", "unsupported_tool"),
+        (
+            {"input": [{"type": "function_call_output", "call_id": "c1", "output": "x"}]},
+            "input.0.call_id",
+            "invalid_value",
+        ),
+        (
+            {"input": [{"type": "compaction_trigger"}, {"role": "user", "content": "x"}]},
+            "input.0.type",
+            "unsupported_item",
+        ),
         ({"input": "Hi.", "tools": [{"type": "function"}]}, "tools.0.name", "invalid_value"),
         (
             {"input": "Hi.", "tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "name": "nope"}},
@@ -434,7 +444,7 @@ async def test_store_false_keeps_nothing(client, atom):
     assert (await client.get(f"/v1/responses/{data['id']}")).status_code == 404
     body = {"input": "Hi.", "previous_response_id": data["id"]}
     message = assert_openai_error(
-        await post(client, body, 404), param="previous_response_id", code="response_not_found"
+        await post(client, body, 404), param="previous_response_id", code="previous_response_not_found"
     )
     assert data["id"] in message
 
@@ -449,7 +459,9 @@ async def test_store_evicts_the_least_recently_used_response(tiny_model):
         assert (await client.get(f"/v1/responses/{ids[1]}")).status_code == 404
         assert [(await client.get(f"/v1/responses/{i}")).status_code for i in (ids[0], ids[2])] == [200, 200]
         body = {"input": "Again.", "previous_response_id": ids[1]}
-        assert_openai_error(await post(client, body, 404), param="previous_response_id", code="response_not_found")
+        assert_openai_error(
+            await post(client, body, 404), param="previous_response_id", code="previous_response_not_found"
+        )
 
 
 async def test_store_expires_responses_idle_past_the_ttl(tiny_model):
@@ -466,7 +478,9 @@ async def test_store_expires_responses_idle_past_the_ttl(tiny_model):
         assert (await client.get(f"/v1/responses/{kept}")).status_code == 200
         clock[0] = 200
         body = {"input": "Again.", "previous_response_id": kept}
-        assert_openai_error(await post(client, body, 404), param="previous_response_id", code="response_not_found")
+        assert_openai_error(
+            await post(client, body, 404), param="previous_response_id", code="previous_response_not_found"
+        )
         assert len(store_of(atom)) == 0
 
 

@@ -1,8 +1,9 @@
 """The ASGI app: ``hypercorn atom_anyio:app``.
 
-The callable owns the lifespan (and through ``Server.serving`` the root task
-group holding the engine loop); Quart only routes HTTP. Importing this module
-loads nothing heavy: the model is loaded when the lifespan starts.
+The callable owns the lifespan (and through ``runtime.serving`` the root task
+group holding the engine loop); Quart routes HTTP and the Responses WebSocket.
+Importing this module loads nothing heavy: the model is loaded when the
+lifespan starts.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 import anyio
 import structlog
-from quart import Quart, Response, request
+from quart import Quart, Response, has_request_context, request, websocket
 from quart.asgi import ASGIHTTPConnection
 from werkzeug.exceptions import HTTPException
 
@@ -38,7 +39,7 @@ from atom_anyio.models.loader import LoadedModel
 from atom_anyio.obs.logging import configure_logging
 from atom_anyio.settings import ConfigError
 
-log = structlog.get_logger("atom_anyio.app")
+log = structlog.get_logger("atom_anyio.api")
 
 OPEN_PATHS = ("/health", "/metrics", "/version", "/openapi.json")
 CORS_ALLOW_HEADERS = "Authorization, Content-Type, X-Api-Key, X-Request-Id, Anthropic-Version, Anthropic-Beta"
@@ -134,6 +135,9 @@ class AtomApp:
 
 
 async def _unavailable(scope: dict, send: Any) -> None:
+    if scope["type"] == "websocket":  # closed before the handshake: the server answers 403
+        await send({"type": "websocket.close", "code": 1013})
+        return
     if scope["type"] != "http":
         return
     body = b'{"error":{"message":"the server is not serving","type":"server_error","code":"not_ready"}}'
@@ -156,10 +160,12 @@ def build_quart(rt: Runtime) -> Quart:
     app.register_blueprint(openapi_blueprint())
 
     @app.before_request
+    @app.before_websocket
     async def bind_request_id() -> None:
         structlog.contextvars.clear_contextvars()
-        rid = request.headers.get("x-request-id", "")[:128] or uuid.uuid4().hex
-        structlog.contextvars.bind_contextvars(request_id=rid, method=request.method, path=request.path)
+        conn = connection()
+        rid = conn.headers.get("x-request-id", "")[:128] or uuid.uuid4().hex
+        structlog.contextvars.bind_contextvars(request_id=rid, method=conn.method, path=conn.path)
         if (record := current_record()) is not None:
             record.endpoint = endpoint_label()
             record.log_context = structlog.contextvars.get_contextvars()
@@ -185,14 +191,16 @@ def build_quart(rt: Runtime) -> Quart:
         return response
 
     @app.before_request
+    @app.before_websocket  # a refused handshake is answered with the 401
     async def authenticate() -> None:
         key = rt.config.api_key
-        if not key or request.path in OPEN_PATHS:
+        conn = connection()
+        if not key or conn.path in OPEN_PATHS:
             return
-        given = request.headers.get("Authorization", "")
+        given = conn.headers.get("Authorization", "")
         token = given[7:] if given[:7].lower() == "bearer " else ""
-        if not token and request.path.startswith("/v1/messages"):
-            token = request.headers.get("x-api-key", "")
+        if not token and conn.path.startswith("/v1/messages"):
+            token = conn.headers.get("x-api-key", "")
         if not hmac.compare_digest(token.encode(), key.encode()):
             raise APIError(401, "Invalid or missing API key.", code="invalid_api_key")
 
@@ -202,9 +210,12 @@ def build_quart(rt: Runtime) -> Quart:
 
     @app.errorhandler(HTTPException)
     async def http_error(err: HTTPException) -> Any:
+        conn, is_http = connection(), has_request_context()
         messages = {
-            404: f"No route for {request.method} {request.path}.",
-            405: f"Method {request.method} is not allowed for {request.path}.",
+            404: f"No route for {conn.method if is_http else 'a WebSocket to'} {conn.path}.",
+            405: f"Method {conn.method} is not allowed for {conn.path}."
+            if is_http
+            else f"{conn.path} takes no WebSocket.",
             413: f"The request body is larger than the limit of {rt.config.max_body_bytes} bytes.",
         }
         code = err.code or 500
@@ -254,15 +265,20 @@ def add_cors(app: Quart, allow_origins: str) -> None:
         return response
 
 
+def connection() -> Any:
+    """The HTTP request, or the WebSocket handshake, being handled (their path, method, headers)."""
+    return request if has_request_context() else websocket
+
+
 def endpoint_label() -> str:
     """The matched route's endpoint name (its blueprint prefix dropped); "other" for
     a path no route matches, so a label never carries a client-chosen string."""
-    rule = request.url_rule
+    rule = connection().url_rule
     return rule.endpoint.rpartition(".")[2] if rule is not None and rule.endpoint else "other"
 
 
 def error_response(err: APIError) -> Any:
-    if request.path.startswith("/v1/messages"):
+    if connection().path.startswith("/v1/messages"):
         return err.anthropic(), err.anthropic_status, err.headers
     return err.openai(), err.status, err.headers
 

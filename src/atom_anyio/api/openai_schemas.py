@@ -233,7 +233,7 @@ class ChatCompletionRequest(SamplingFields):
             if isinstance(m.content, list):
                 msg["content"] = text_of_parts(m.content, f"messages.{i}.content")
             if msg.get("tool_calls"):
-                msg["tool_calls"] = [_parse_arguments(c) for c in msg["tool_calls"]]
+                msg["tool_calls"] = [parse_arguments(c) for c in msg["tool_calls"]]
             out.append(msg)
         return out
 
@@ -270,7 +270,7 @@ def text_of_parts(parts: list[dict[str, Any]], where: str) -> str:
     return "\n".join(texts)
 
 
-def _parse_arguments(call: dict[str, Any]) -> dict[str, Any]:
+def parse_arguments(call: dict[str, Any]) -> dict[str, Any]:
     """Templates expect tool-call arguments as a mapping; OpenAI sends a JSON string."""
     fn = dict(call.get("function") or {})
     args = fn.get("arguments")
