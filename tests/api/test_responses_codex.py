@@ -479,3 +479,16 @@ def test_a_seal_key_setting_lets_sealed_items_survive_a_restart():
     for other in (Sealer.of("another secret"), Sealer.of(None)):
         with pytest.raises(SealError):
             other.open("reasoning", item)
+
+
+async def test_codexs_prompt_cache_key_keys_the_kv_lease_and_cache_salt_separates_tenants(http, atom):
+    bm = atom.runtime.engine.block_manager
+    question = "Inspect the repository and report what it holds. " * 12
+    body = {"model": atom.runtime.model_name, "input": question, "max_output_tokens": 4, "store": False}
+    r = await http.post("/v1/responses", json={**body, "prompt_cache_key": "codex-session-1"})
+    assert r.status_code == 200 and bm.leases["codex-session-1"].block_ids
+    salted = []
+    for salt in ("tenant-a", "tenant-a", "tenant-b"):
+        r = await http.post("/v1/responses", json={**body, "cache_salt": salt})
+        salted.append(r.json()["usage"]["input_tokens_details"]["cached_tokens"])
+    assert salted[0] == 0 and salted[1] > 0 and salted[2] == 0

@@ -10,7 +10,7 @@ from quart import Blueprint
 
 from atom_anyio.api.compaction import MAX_SUMMARY_TOKENS, CompactionEncoder, compact_resource, summary_messages
 from atom_anyio.api.errors import APIError
-from atom_anyio.api.http import parse_body, sse
+from atom_anyio.api.http import kv_lease, parse_body, sse
 from atom_anyio.api.response_store import ResponseStore
 from atom_anyio.api.responses_encoder import Event, ResponseEncoder, ResponseTurn, WarmupEncoder
 from atom_anyio.api.responses_schemas import (
@@ -120,6 +120,8 @@ class Responses:
             params=self._params(req, req.max_output_tokens if req.generate else 1, is_parsing_tools),
             truncation=req.truncation,
             structured=only_one(response_format(req.text.format, "text.format"), calls),
+            lease=kv_lease(req.prompt_cache_key),  # Codex sends its session id as both
+            cache_salt=req.cache_salt,
         )
 
     def _summary_prompt(self, req: ResponsesRequest, conversation: list[InputItem]) -> PromptRequest:

@@ -170,7 +170,8 @@ class ResponsesRequest(Lenient):
     metadata: dict[str, str] | None = None
     user: str | None = None
     safety_identifier: str | None = Field(None, max_length=64)
-    prompt_cache_key: str | None = Field(None, max_length=64)  # echoed: the prefix cache needs no key
+    prompt_cache_key: str | None = Field(None, max_length=64)  # echoed; the conversation whose KV lease it renews
+    cache_salt: str | None = Field(None, min_length=1)  # vLLM's: a tenant's prefix hits kept from another's
     service_tier: Literal["auto", "default", "flex", "priority"] = "auto"
     stream: bool = False
     generate: bool = True  # false (WebSocket warm-up): the prompt is prefilled, nothing is generated
