@@ -16,7 +16,7 @@ import gguf
 import pytest
 import torch
 import torch.nn.functional as F
-from test_quant import random_quantized
+from support_gguf import random_quantized
 from torch.utils import cpp_extension
 
 from atom_anyio import LLM, SamplingParams, kernels
@@ -595,7 +595,7 @@ def test_the_kernels_compile_for_the_other_cpu_kinds():
         for source in kernels.SOURCES
         if "vec.h" in source.read_text() or "amx.h" in source.read_text()  # the ones with ISA branches
     }
-    assert {name for _, name in runs} == {"paged_attention.cpp", "ops.cpp", "quant.cpp", "gemm.cpp"}
+    assert {name for _, name in runs} == {"paged_attention.cpp", "ops.cpp", "quant.cpp", "gemm.cpp", "registry.cpp"}
     failed = {key: run.communicate()[1] for key, run in runs.items()}
     failed = {key: err for key, err in failed.items() if runs[key].returncode != 0}
     assert not failed, "\n".join(

@@ -33,11 +33,25 @@ import torch
 
 from atom_anyio.settings import ConfigError
 
-log = structlog.get_logger("atom_anyio.engine")
+log = structlog.get_logger("atom_anyio.kernels")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("paged_attention.cpp", "ops.cpp", "quant.cpp", "decoder.cpp", "gemm.cpp")]
-HEADERS = [CSRC / "vec.h", CSRC / "kernels.h", CSRC / "amx.h"]
+SOURCES = [
+    CSRC / name for name in ("registry.cpp", "paged_attention.cpp", "ops.cpp", "quant.cpp", "decoder.cpp", "gemm.cpp")
+]
+HEADERS = [
+    CSRC / name
+    for name in (
+        "vec.h",
+        "kernels.h",
+        "amx.h",
+        "attention_loop.h",
+        "attention_portable.h",
+        "attention_avx2.h",
+        "attention_avx512_bf16.h",
+        "attention_amx.h",
+    )
+]
 # no FMA contraction of separate products: the elementwise kernels round as torch's ops do
 FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
 

@@ -36,8 +36,6 @@ def build(model: nn.Module) -> tuple[torch.ScriptObject | None, str | None]:
         return None, "tensor parallelism"
     if cfg.moe is not None:
         return None, "mixture-of-experts layers"
-    if cfg.head_dim % 16 or cfg.hidden_size % 8 or cfg.intermediate_size % 8:
-        return None, "head_dim, hidden_size or intermediate_size off the kernels' multiples"
     if any(p.device.type != "cpu" for p in model.parameters()):
         return None, "weights off the CPU"
     bfloat16 = any(p.dtype != torch.float32 for p in model.parameters())
@@ -45,14 +43,10 @@ def build(model: nn.Module) -> tuple[torch.ScriptObject | None, str | None]:
         return None, f"weights other than float32 on the CPU, and bfloat16 {why}"
     if kernels.load_cpu_kernels() is not None:
         return None, "the CPU kernels are not built"
-    decoder = torch.classes.atom.Decoder(
-        cfg.hidden_size,
-        cfg.num_attention_heads,
-        cfg.num_key_value_heads,
-        cfg.head_dim,
-        cfg.intermediate_size,
-        cfg.rms_norm_eps,
-    )
+    shape = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size)
+    if why := torch.ops.atom.decoder_unsupported_shape(*shape):
+        return None, why
+    decoder = torch.classes.atom.Decoder(*shape, cfg.rms_norm_eps)
     if bfloat16:
         decoder.use_bfloat16()
     for i, layer in enumerate(model.model.layers):

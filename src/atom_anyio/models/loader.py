@@ -222,7 +222,7 @@ def free_invariance_reason(model: LlamaForCausalLM) -> str | None:
     if cfg.moe is not None or not kernels.amx_attention_active():
         return None
     if cfg.head_dim % 64 or cfg.num_attention_heads // cfg.num_key_value_heads > 16:
-        return None  # the AMX attention's shapes (amx_fits in paged_attention.cpp)
+        return None  # the AMX attention's shapes (amx_fits in kernels/csrc/attention_amx.h)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear | quant.QuantLinear)]
     if not linears or not all(on_amx_tiles(m) for m in linears):
         return None

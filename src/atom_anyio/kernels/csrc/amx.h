@@ -1,4 +1,4 @@
-// What the AMX kernels share (paged_attention.cpp's attention, gemm.cpp's linears): the
+// What the AMX kernels share (attention_amx.h's attention, gemm.cpp's linears): the
 // permission to use the tile registers, the tile configuration, and a scope that hands the tiles
 // back as it found them.
 #pragma once

@@ -36,6 +36,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -128,12 +129,26 @@ void check_param(const at::Tensor& t, at::ScalarType dtype, int64_t numel, const
 
 void check_float(const at::Tensor& t, int64_t numel, const char* name) { check_param(t, at::kFloat, numel, name); }
 
+}  // namespace
+
+// The shapes the layer loop runs, the kernels' multiples (the attention's 16 dims, 8 floats for the
+// elementwise ops and the GEMV): why not, or "" (models/fused.py asks before it builds a Decoder)
+std::string atom::decoder_unsupported_shape(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                                            int64_t intermediate) {
+  if (kv_heads <= 0 || heads % kv_heads != 0) return "num_attention_heads not a multiple of num_key_value_heads";
+  if (head_dim % 16 != 0 || hidden % 8 != 0 || intermediate % 8 != 0)
+    return "head_dim, hidden_size or intermediate_size off the kernels' multiples";
+  return "";
+}
+
+namespace {
+
 class Decoder : public torch::CustomClassHolder {
  public:
   Decoder(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps)
       : hidden_(hidden), H_(heads), KVH_(kv_heads), D_(head_dim), I_(intermediate), eps_(float(eps)) {
-    TORCH_CHECK(heads % kv_heads == 0 && head_dim % 16 == 0 && hidden % 8 == 0 && intermediate % 8 == 0,
-                "Decoder: unsupported shape");
+    const std::string why = atom::decoder_unsupported_shape(hidden, heads, kv_heads, head_dim, intermediate);
+    TORCH_CHECK(why.empty(), "Decoder: ", why);
   }
 
   void add_layer(const at::Tensor& input_norm, const at::Tensor& post_norm, const c10::optional<at::Tensor>& q_norm,
@@ -310,8 +325,10 @@ class Decoder : public torch::CustomClassHolder {
           std::memcpy(vc + slots[t] * kv_row, row + (H_ + KVH_) * D_, kv_row * sizeof(S));
         }
       });
-      paged_attention(attn, q, k_cache, v_cache, block_tables, seq_lens, query_start, block_size, scale, layer.window,
-                      layer.sinks.defined() ? c10::optional<at::Tensor>(layer.sinks) : c10::nullopt, partition);
+      atom::op::paged_attention(attn, q, k_cache, v_cache, block_tables, seq_lens, query_start, block_size, scale,
+                                layer.window,
+                                layer.sinks.defined() ? c10::optional<at::Tensor>(layer.sinks) : c10::nullopt,
+                                partition);
       x = layer.o.run(attn.view({T, H_ * D_}));
       add_rms_norm(x.data_ptr<S>(), r, layer.post_norm.data_ptr<S>(), T, hidden_, eps_);
       const at::Tensor gate_up = layer.gate_up.run(x);
@@ -383,7 +400,7 @@ class Decoder : public torch::CustomClassHolder {
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(atom, m) {
+void atom::register_decoder(torch::Library& m) {
   m.class_<Decoder>("Decoder")
       .def(torch::init<int64_t, int64_t, int64_t, int64_t, int64_t, double>())
       .def("add_layer", &Decoder::add_layer)

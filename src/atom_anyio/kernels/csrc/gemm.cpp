@@ -16,7 +16,6 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cstring>
@@ -295,6 +294,10 @@ at::Tensor check_linear(const char* name, const at::Tensor& out, const at::Tenso
 }
 #endif
 
+}  // namespace
+
+namespace atom::op {
+
 // out [M, N] bfloat16 = x [M, K] W^T (+ bias), W packed as B tiles [ceil(N/16)][K/32][16][32]
 void amx_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& wp, const c10::optional<at::Tensor>& bias) {
 #ifdef ATOM_AMX_BF16
@@ -322,21 +325,11 @@ void amx_qlinear(at::Tensor& out, const at::Tensor& x, const at::Tensor& wq, int
 #endif
 }
 
-}  // namespace
+}  // namespace atom::op
 
 namespace atom {
 void amx_linear_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
                      const c10::optional<at::Tensor>& bias) {
-  amx_linear(out, x, packed, bias);
+  op::amx_linear(out, x, packed, bias);
 }
 }  // namespace atom
-
-TORCH_LIBRARY_FRAGMENT(atom, m) {
-  m.def("amx_linear(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");
-  m.def("amx_qlinear(Tensor(a!) out, Tensor x, Tensor weight, int qtype, Tensor? bias) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(atom, CPU, m) {
-  m.impl("amx_linear", &amx_linear);
-  m.impl("amx_qlinear", &amx_qlinear);
-}

@@ -1,17 +1,32 @@
-// The kernels' float32 entry points on raw pointers, for the fused decoder
-// (decoder.cpp). They run the same code as the torch ops of ops.cpp, quant.cpp
-// and paged_attention.cpp, so a fused forward equals the op-by-op one bit for bit.
+// The kernels' entry points across files: the torch ops that registry.cpp
+// registers (atom::op), the settings it keeps, and the float32 entry points on
+// raw pointers for the fused decoder (decoder.cpp), which run the same code as
+// the torch ops of ops.cpp, quant.cpp and paged_attention.cpp, so a fused
+// forward equals the op-by-op one bit for bit.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 
 #include <cstdint>
+#include <string>
+
+namespace torch {
+class Library;
+}
 
 namespace atom {
 
-// paged_attention.cpp: whether the native variants run (set_native_kernels), read by every kernel that has one
+// registry.cpp: whether the native variants run (set_native_kernels), read by every kernel that has one
 bool native_kernels_enabled();
+// registry.cpp: whether bfloat16 attention takes the AMX tiles where built and lent (set_amx_kernels)
+bool amx_kernels_enabled();
+
+// decoder.cpp: the Decoder class and its methods, into the library; why the layer loop cannot run a
+// model of this shape, or ""
+void register_decoder(torch::Library& m);
+std::string decoder_unsupported_shape(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                                      int64_t intermediate);
 
 // ops.cpp: rows of n floats, contiguous
 void rms_norm_f32(float* out, const float* x, const float* w, int64_t rows, int64_t n, float eps);
@@ -42,8 +57,31 @@ void amx_linear_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& pac
 
 }  // namespace atom
 
-// paged_attention.cpp (the torch op's implementation)
+// the torch ops' implementations (registry.cpp gives their schemas)
+namespace atom::op {
+
+// paged_attention.cpp
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start,
                      int64_t block_size, double scale, int64_t sliding_window, const c10::optional<at::Tensor>& sinks,
                      int64_t partition = 0);
+
+// ops.cpp
+void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, double eps);
+void add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& w, double eps);
+void silu_and_mul(at::Tensor& out, const at::Tensor& x);
+void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin);
+void gemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b);
+void store_kv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
+              const at::Tensor& slot_mapping);
+
+// quant.cpp
+void qgemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64_t type, const c10::optional<at::Tensor>& b);
+void dequantize(at::Tensor& out, const at::Tensor& w, int64_t type);
+
+// gemm.cpp
+void amx_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& wp, const c10::optional<at::Tensor>& bias);
+void amx_qlinear(at::Tensor& out, const at::Tensor& x, const at::Tensor& wq, int64_t qtype,
+                 const c10::optional<at::Tensor>& bias);
+
+}  // namespace atom::op

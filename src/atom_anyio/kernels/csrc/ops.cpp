@@ -18,7 +18,6 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <torch/library.h>
 
 #include <cstring>
 
@@ -262,16 +261,6 @@ void gemv_rows(float* op, const float* xp, int64_t K, const float* wp, int64_t N
   });
 }
 
-void gemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
-              "gemv: float32 only");
-  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && out.is_contiguous(), "gemv: tensors must be contiguous");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == w.size(1) && x.size(1) % 8 == 0 && x.size(0) >= 1 && x.size(0) <= 4,
-              "gemv: x must be [1..4, K] with K a multiple of 8 and K = W's width");
-  atom::gemv_f32(out.data_ptr<float>(), x.data_ptr<float>(), x.size(0), x.size(1), w.data_ptr<float>(), w.size(0),
-                 b.has_value() ? b->data_ptr<float>() : nullptr);
-}
-
 template <typename T>
 struct RmsNorm {
   static void run(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, double eps) {
@@ -293,6 +282,20 @@ struct Rotary {
 
 void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_contiguous(), name, ": tensors must be contiguous");
+}
+
+}  // namespace
+
+namespace atom::op {
+
+void gemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
+              "gemv: float32 only");
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && out.is_contiguous(), "gemv: tensors must be contiguous");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == w.size(1) && x.size(1) % 8 == 0 && x.size(0) >= 1 && x.size(0) <= 4,
+              "gemv: x must be [1..4, K] with K a multiple of 8 and K = W's width");
+  atom::gemv_f32(out.data_ptr<float>(), x.data_ptr<float>(), x.size(0), x.size(1), w.data_ptr<float>(), w.size(0),
+                 b.has_value() ? b->data_ptr<float>() : nullptr);
 }
 
 void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, double eps) {
@@ -351,7 +354,7 @@ void store_kv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, con
   });
 }
 
-}  // namespace
+}  // namespace atom::op
 
 namespace atom {
 
@@ -399,21 +402,3 @@ void gemv_f32(float* out, const float* x, int64_t M, int64_t K, const float* w, 
 }
 
 }  // namespace atom
-
-TORCH_LIBRARY_FRAGMENT(atom, m) {
-  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
-  m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
-  m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
-  m.def("rotary_embedding(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
-  m.def("gemv(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");
-  m.def("store_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(atom, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("add_rms_norm", &add_rms_norm);
-  m.impl("silu_and_mul", &silu_and_mul);
-  m.impl("rotary_embedding", &rotary_embedding);
-  m.impl("gemv", &gemv);
-  m.impl("store_kv", &store_kv);
-}

@@ -22,7 +22,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <torch/library.h>
 
 #include <cstring>
 #include <vector>
@@ -366,25 +365,6 @@ void check_weight(const at::Tensor& w, int64_t K, int64_t type, const char* name
               " does not match the weight's ", w.size(1), " bytes per row");
 }
 
-// bfloat16 x is widened to float32 (exactly) and the float32 result rounded back as torch's .to() rounds: the
-// bits of the float32 call between two conversions, without their two Python-level ops per linear
-void qgemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64_t type,
-           const c10::optional<at::Tensor>& b) {
-  const auto dtype = x.scalar_type();
-  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && out.scalar_type() == dtype,
-              "qgemv: float32 or bfloat16 activations, and out of their dtype");
-  TORCH_CHECK(x.is_contiguous() && out.is_contiguous(), "qgemv: tensors must be contiguous");
-  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= 4, "qgemv: x must be [1..4, K]");
-  check_weight(w, x.size(1), type, "qgemv");
-  TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == w.size(0), "qgemv: out must be [M, N]");
-  const at::Tensor bias = b.has_value() ? b->to(at::kFloat).contiguous() : at::Tensor();
-  const at::Tensor xf = x.to(at::kFloat);
-  at::Tensor of = dtype == at::kFloat ? out : at::empty(out.sizes(), out.options().dtype(at::kFloat));
-  atom::qgemv_f32(of.data_ptr<float>(), xf.data_ptr<float>(), x.size(0), x.size(1), w.data_ptr<uint8_t>(), w.size(0),
-                  type, bias.defined() ? bias.data_ptr<float>() : nullptr);
-  if (dtype != at::kFloat) out.copy_(of);
-}
-
 template <int64_t Type, typename T>
 void dequantize_rows(const uint8_t* w, T* out, int64_t K, int64_t n0, int64_t n1) {
   constexpr int64_t BB = Type == Q8_0 ? 34 : Type == Q4_1 ? 20 : 18;
@@ -441,13 +421,36 @@ struct Dequantize {
   }
 };
 
+}  // namespace
+
+namespace atom::op {
+
+// bfloat16 x is widened to float32 (exactly) and the float32 result rounded back as torch's .to() rounds: the
+// bits of the float32 call between two conversions, without their two Python-level ops per linear
+void qgemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64_t type,
+           const c10::optional<at::Tensor>& b) {
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && out.scalar_type() == dtype,
+              "qgemv: float32 or bfloat16 activations, and out of their dtype");
+  TORCH_CHECK(x.is_contiguous() && out.is_contiguous(), "qgemv: tensors must be contiguous");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= 4, "qgemv: x must be [1..4, K]");
+  check_weight(w, x.size(1), type, "qgemv");
+  TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == w.size(0), "qgemv: out must be [M, N]");
+  const at::Tensor bias = b.has_value() ? b->to(at::kFloat).contiguous() : at::Tensor();
+  const at::Tensor xf = x.to(at::kFloat);
+  at::Tensor of = dtype == at::kFloat ? out : at::empty(out.sizes(), out.options().dtype(at::kFloat));
+  atom::qgemv_f32(of.data_ptr<float>(), xf.data_ptr<float>(), x.size(0), x.size(1), w.data_ptr<uint8_t>(), w.size(0),
+                  type, bias.defined() ? bias.data_ptr<float>() : nullptr);
+  if (dtype != at::kFloat) out.copy_(of);
+}
+
 void dequantize(at::Tensor& out, const at::Tensor& w, int64_t type) {
   TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) == w.size(0), "dequantize: out must be [N, K]");
   check_weight(w, out.size(1), type, "dequantize");
   dispatch<Dequantize>(out.scalar_type(), "dequantize", out, w, type);
 }
 
-}  // namespace
+}  // namespace atom::op
 
 namespace atom {
 
@@ -468,13 +471,3 @@ void dequantize_f32(float* out, const uint8_t* w, int64_t rows, int64_t K, int64
 }
 
 }  // namespace atom
-
-TORCH_LIBRARY_FRAGMENT(atom, m) {
-  m.def("qgemv(Tensor(a!) out, Tensor x, Tensor weight, int qtype, Tensor? bias) -> ()");
-  m.def("dequantize(Tensor(a!) out, Tensor weight, int qtype) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(atom, CPU, m) {
-  m.impl("qgemv", &qgemv);
-  m.impl("dequantize", &dequantize);
-}

@@ -17,11 +17,11 @@
 #include <immintrin.h>
 #endif
 
-// the elementwise ops' sixteen-lane variant (ops.cpp), reported by native_kernels (paged_attention.cpp)
+// the elementwise ops' sixteen-lane variant (ops.cpp), reported by native_kernels (registry.cpp)
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define ATOM_ELEMENTWISE_AVX512 1
 #endif
-// the bfloat16 variants: pair dot products (paged_attention.cpp), and the AMX tiles (attention, gemm.cpp)
+// the bfloat16 variants: pair dot products (attention_avx512_bf16.h), and the AMX tiles (attention_amx.h, gemm.cpp)
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define ATOM_AVX512_BF16 1
 #endif

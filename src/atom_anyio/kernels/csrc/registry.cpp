@@ -1,0 +1,108 @@
+// The torch.ops.atom library: every op's schema and CPU implementation, the fused decoder's
+// class (decoder.cpp lists its methods), and the process-wide kernel settings the kernels read
+// (which variants run). kernels/__init__.py is the Python side of the settings.
+
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "amx.h"
+#include "kernels.h"
+#include "vec.h"
+
+namespace {
+
+// whether the native variants run (off: their portable twins, to compare against)
+bool g_native = true;
+// whether bfloat16 attention takes the AMX variant where it is built (off: the AVX512-BF16 one, as on a CPU
+// without AMX)
+bool g_amx = true;
+
+// the variants this build runs beyond the portable (AVX2 or plain) code, by name
+std::vector<std::string> native_kernels() {
+  std::vector<std::string> names;
+#ifdef ATOM_AVX512_BF16
+  names.push_back("paged_attention_avx512_bf16");
+#endif
+#ifdef ATOM_AMX_BF16
+  if (atom::amx_permitted()) {
+    names.push_back("paged_attention_amx_bf16");
+    names.push_back("linear_amx_bf16");  // gemm.cpp
+  }
+#endif
+#ifdef ATOM_ELEMENTWISE_AVX512
+  names.push_back("elementwise_avx512");  // ops.cpp
+#endif
+  return names;
+}
+
+// turns the native variants on or off (the portable twins run instead); returns the previous setting
+bool set_native_kernels(bool enabled) {
+  const bool before = g_native;
+  g_native = enabled;
+  return before;
+}
+
+// turns the AMX attention on or off (the AVX-512 one runs instead); returns the previous setting
+bool set_amx_kernels(bool enabled) {
+  const bool before = g_amx;
+  g_amx = enabled;
+  return before;
+}
+
+// what set_native_kernels and set_amx_kernels last set
+std::tuple<bool, bool> kernel_settings() { return {g_native, g_amx}; }
+
+}  // namespace
+
+namespace atom {
+bool native_kernels_enabled() { return g_native; }
+bool amx_kernels_enabled() { return g_amx; }
+}  // namespace atom
+
+TORCH_LIBRARY(atom, m) {
+  // the kernel settings
+  m.def("native_kernels() -> str[]", &native_kernels);
+  m.def("set_native_kernels(bool enabled) -> bool", &set_native_kernels);
+  m.def("set_amx_kernels(bool enabled) -> bool", &set_amx_kernels);
+  m.def("kernel_settings() -> (bool, bool)", &kernel_settings);
+  // paged_attention.cpp
+  m.def(
+      "paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+      "Tensor seq_lens, Tensor query_start, int block_size, float scale, int sliding_window=0, "
+      "Tensor? sinks=None, int partition=0) -> ()");
+  // ops.cpp
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.def("rotary_embedding(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
+  m.def("gemv(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");
+  m.def("store_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
+  // quant.cpp
+  m.def("qgemv(Tensor(a!) out, Tensor x, Tensor weight, int qtype, Tensor? bias) -> ()");
+  m.def("dequantize(Tensor(a!) out, Tensor weight, int qtype) -> ()");
+  // gemm.cpp
+  m.def("amx_linear(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");
+  m.def("amx_qlinear(Tensor(a!) out, Tensor x, Tensor weight, int qtype, Tensor? bias) -> ()");
+  // decoder.cpp
+  m.def("decoder_unsupported_shape(int hidden, int heads, int kv_heads, int head_dim, int intermediate) -> str",
+        &atom::decoder_unsupported_shape);
+  atom::register_decoder(m);
+}
+
+TORCH_LIBRARY_IMPL(atom, CPU, m) {
+  m.impl("paged_attention", &atom::op::paged_attention);
+  m.impl("rms_norm", &atom::op::rms_norm);
+  m.impl("add_rms_norm", &atom::op::add_rms_norm);
+  m.impl("silu_and_mul", &atom::op::silu_and_mul);
+  m.impl("rotary_embedding", &atom::op::rotary_embedding);
+  m.impl("gemv", &atom::op::gemv);
+  m.impl("store_kv", &atom::op::store_kv);
+  m.impl("qgemv", &atom::op::qgemv);
+  m.impl("dequantize", &atom::op::dequantize);
+  m.impl("amx_linear", &atom::op::amx_linear);
+  m.impl("amx_qlinear", &atom::op::amx_qlinear);
+}
