@@ -47,11 +47,11 @@ def tiny_model(tiny_model_dir) -> LoadedModel:
     return load_model(str(tiny_model_dir))
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="session")
 def cpu_kernels_built() -> None:
-    """The C++ kernels built (or found in the cache) once, before any test starts a server process:
+    """The C++ kernels built (or found in the cache) once, before a test starts a server process:
     a bare ``hypercorn atom_anyio:app`` building them in its lifespan could pass hypercorn's 60 s
-    startup timeout on a slow machine."""
+    startup timeout on a slow machine. Requested by the tests that start one."""
     kernels.load_cpu_kernels()
 
 

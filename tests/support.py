@@ -265,7 +265,7 @@ TINY_ARCH_SIZES = {
     "max_position_embeddings": 256,
     "initializer_range": 0.2,
 }
-BYTE_LEVEL_VOCAB = dict(vocab_size=262)  # test_models.byte_level_tokenizer_metadata's vocabulary
+BYTE_LEVEL_VOCAB = dict(vocab_size=262)  # support_gguf.byte_level_tokenizer_metadata's vocabulary
 # the MoE GGUFs of test_gguf_moe: the byte-level GGUF tokenizer's vocabulary, two layers
 TINY_GGUF_MOE_SIZES = {**TINY_ARCH_SIZES, **BYTE_LEVEL_VOCAB, "num_hidden_layers": 2}
 TINY_WINDOW = 7

@@ -511,6 +511,7 @@ STREAM_TOKENS = 3000
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("cpu_kernels_built")  # a bare server process building them could pass hypercorn's timeout
 @pytest.mark.parametrize("runner", ["hypercorn", "serve"])
 async def test_sigterm_under_load_drains_in_flight_streams_and_exits_zero(tiny_model_dir, tmp_path, runner):
     """hypercorn with its default flags (a worker process, a 3 s graceful timeout) drains too: the

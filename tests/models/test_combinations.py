@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from support import CPU_COMBINATIONS, assert_greedy_close, serving_app, write_tiny_llama
-from test_quant import tiny_wide_ggufs
+from support_gguf import tiny_wide_ggufs
 
 from atom_anyio import LLM, SamplingParams, kernels
 from atom_anyio.models.loader import load_model

@@ -10,7 +10,7 @@ from __future__ import annotations
 import gguf
 import pytest
 import torch
-from test_quant import tiny_wide_ggufs
+from support_gguf import tiny_wide_ggufs
 
 from atom_anyio import LLM, SamplingParams, kernels
 from atom_anyio.models import fused

@@ -16,8 +16,8 @@ import torch
 import transformers
 from gguf.quants import dequantize, quantize
 from support import TINY_FAMILIES, TINY_GGUF_MOE_SIZES
-from test_models import byte_level_tokenizer_metadata, gguf_name, llama_cpp_permute, write_shape_metadata
-from test_models_arch import greedy, hf_greedy, prompt_tokens
+from support_gguf import byte_level_tokenizer_metadata, gguf_name, llama_cpp_permute, write_shape_metadata
+from support_models import greedy, hf_greedy, prompt_tokens
 
 from atom_anyio import LLM, kernels
 from atom_anyio.models.decoder import FULL, SLIDING

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from support import CPU_COMBINATIONS
-from test_models_arch import random_hf_model
-from test_quant import random_quantized, tiny_chat_gguf, tiny_wide_ggufs  # noqa: F401, F811 (a fixture)
+from support_gguf import random_quantized, tiny_wide_ggufs
+from support_models import random_hf_model
 
 from atom_anyio import LLM, SamplingParams, kernels
 from atom_anyio.cli import build_parser
@@ -161,7 +161,7 @@ def test_the_kernel_gives_a_query_the_same_bits_alone_in_a_batch_or_in_a_chunk(d
 
 
 @pytest.fixture(scope="module")
-def tiny_gguf(tiny_chat_gguf):  # noqa: F811
+def tiny_gguf(tiny_chat_gguf):
     """A seeded tiny Llama as a Q4_1 GGUF (kept quantized, or dequantized, by the combination)."""
     return tiny_chat_gguf[Q.Q4_1]
 

@@ -10,22 +10,20 @@ import os
 import shutil
 import time
 
-import gguf
 import numpy as np
 import pytest
 import safetensors.torch
 import torch
 import transformers
-from gguf.quants import dequantize, quantize
 from support import BYTE_LEVEL_VOCAB, TINY_SIZES, tiny_families
-from transformers.convert_slow_tokenizer import bytes_to_unicode
+from support_gguf import byte_level_tokenizer_metadata, write_gguf
 
 from atom_anyio.models.attention import AttentionMetadata
 from atom_anyio.models.decoder import pack_weights
 from atom_anyio.models.gguf_file import GGUF_ARCHITECTURES, load_gguf_weights
 from atom_anyio.models.loader import build_model, load_model
 
-SIZES = TINY_SIZES  # test_quant imports it
+SIZES = TINY_SIZES
 VOCAB = SIZES["vocab_size"]
 FAMILIES = tiny_families("llama", "llama3-rope", "qwen2", "qwen3", "mistral")
 
@@ -186,81 +184,6 @@ def test_weights_that_do_not_match_the_config_are_refused(tmp_path, tiny_model_d
 
 GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # GGUF architecture -> family
 QUANT_TYPES = ["F32", "F16", "BF16", "Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0"]
-GGUF_NAMES = {
-    "model.embed_tokens": "token_embd",
-    "model.norm": "output_norm",
-    "lm_head": "output",
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-
-
-def gguf_name(hf_name: str) -> str:
-    module, kind = hf_name.rsplit(".", 1)
-    if module.startswith("model.layers."):
-        _, _, layer, rest = module.split(".", 3)
-        return f"blk.{layer}.{GGUF_NAMES[rest]}.{kind}"
-    return f"{GGUF_NAMES[module]}.{kind}"
-
-
-def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """``LlamaModel.permute`` from llama.cpp's convert_hf_to_gguf.py."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def write_shape_metadata(writer: gguf.GGUFWriter, cfg: transformers.PretrainedConfig) -> None:
-    """The shape, RoPE base and norm epsilon of ``cfg`` as llama.cpp's converter writes them."""
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-
-
-def write_gguf(path, arch: str, hf: transformers.PreTrainedModel, qtype: str, metadata=None) -> dict[str, torch.Tensor]:
-    """Write ``hf`` as a GGUF with 2-D weights in ``qtype``; returns the weights
-    a correct reader gets back (HF names and row order, quantization applied)."""
-    cfg, kind = hf.config, gguf.GGMLQuantizationType[qtype]
-    writer = gguf.GGUFWriter(str(path), arch)
-    write_shape_metadata(writer, cfg)
-    for write in metadata or []:
-        write(writer)
-    expected = {}
-    for name, value in hf.state_dict().items():
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
-        w = value.numpy()
-        if w.ndim == 1:
-            writer.add_tensor(gguf_name(name), w)
-            expected[name] = value
-            continue
-        # blocks never straddle rows, so permuting rows commutes with quantizing
-        expected[name] = torch.from_numpy(dequantize(quantize(w, kind), kind).copy())
-        if arch == "llama" and ".q_proj." in name:
-            w = llama_cpp_permute(w, cfg.num_attention_heads)
-        elif arch == "llama" and ".k_proj." in name:
-            w = llama_cpp_permute(w, cfg.num_key_value_heads)
-        writer.add_tensor(gguf_name(name), quantize(w, kind), raw_dtype=kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return expected
 
 
 @pytest.fixture(scope="module")
@@ -329,22 +252,6 @@ def test_gguf_rope_freqs_apply_llama3_rope_scaling_like_transformers(tmp_path):
         [("a", prompt, 0)]
     )
     assert_logits_close(logits, hf_logits(hf, prompt))
-
-
-def byte_level_tokenizer_metadata(writer: gguf.GGUFWriter) -> None:
-    """A 262-token GPT-2 style vocabulary: the 256 byte symbols, two merges' worth
-    of words, and the ChatML control tokens."""
-    symbols = list(bytes_to_unicode().values())
-    tokens = [*symbols, "he", "ll", "hell", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types([1] * 259 + [3, 3, 3])
-    writer.add_token_merges(["h e", "l l", "he ll"])
-    writer.add_bos_token_id(260)
-    writer.add_eos_token_id(259)
-    writer.add_eot_token_id(261)
-    writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m.content }}<|im_end|>{% endfor %}")
 
 
 def test_gguf_with_tokenizer_loads_and_caches_its_tokenizer(tmp_path, monkeypatch):

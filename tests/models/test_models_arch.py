@@ -15,18 +15,16 @@ import shutil
 import pytest
 import torch
 import transformers
-from support import TINY_ARCH_SIZES, tiny_families
+from support import tiny_families
+from support_models import greedy, hf_greedy, prompt_tokens, random_hf_model
 
-from atom_anyio import LLM, SamplingParams
+from atom_anyio import LLM
 from atom_anyio.models.attention import AttentionMetadata, TorchPagedAttention
 from atom_anyio.models.decoder import ARCHITECTURES
 from atom_anyio.models.loader import load_model
 from atom_anyio.models.moe import Experts, MoeConfig, Router, SparseMoeBlock
 from atom_anyio.models.ops import TorchOps
 
-MAX_TOKENS = 10
-SIZES = TINY_ARCH_SIZES
-VOCAB = SIZES["vocab_size"]
 FAMILIES = tiny_families(
     "mistral-window",
     "qwen2-window",
@@ -40,19 +38,6 @@ FAMILIES = tiny_families(
 BACKENDS = ["torch", "cpu"]
 
 
-def random_hf_model(family: str) -> transformers.PreTrainedModel:
-    """Seeded; norm weights and biases random too, so a dropped one changes the logits."""
-    config_class, extra = FAMILIES[family]
-    config = config_class(**{**SIZES, **extra})
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim == 1:
-                p.normal_(1.0 if "norm" in name else 0.0, 2.0 if name.endswith("sinks") else 0.2)
-    return model
-
-
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request, tmp_path_factory, tiny_model_dir):
     hf = random_hf_model(request.param)
@@ -61,31 +46,6 @@ def family(request, tmp_path_factory, tiny_model_dir):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tiny_model_dir / name, path)
     return request.param, hf, path
-
-
-def prompt_tokens(n: int, seed: int) -> list[int]:
-    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def hf_greedy(hf: transformers.PreTrainedModel, prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
-    """``generate`` past any EOS without suppressing it (``min_new_tokens`` would), like ``ignore_eos``."""
-    hf.generation_config.eos_token_id = None
-    with torch.no_grad():
-        out = hf.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=max_tokens,
-            do_sample=False,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
-
-
-GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-
-
-def greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    return [r.outputs[0].token_ids for r in llm.generate(prompts, GREEDY, use_tqdm=False)]
 
 
 # prompts longer than the window (7) and the original RoPE length (16); two share a 33-token prefix

@@ -9,12 +9,10 @@ from dataclasses import replace
 import gguf
 import numpy as np
 import pytest
-import test_models
 import torch
 import torch.nn.functional as F
-import transformers
 from support import CPU_COMBINATIONS, assert_greedy_close
-from test_models import SIZES, byte_level_tokenizer_metadata, write_gguf
+from support_gguf import K_QUANTS, QTYPES, quantize_k, random_quantized, tiny_wide_ggufs
 
 from atom_anyio import LLM, SamplingParams, kernels
 from atom_anyio.models import quant
@@ -23,22 +21,12 @@ from atom_anyio.models.ops import CpuOps, TorchOps
 from atom_anyio.models.quant import BLOCK_BYTES, QuantizedWeight, QuantLinear
 
 Q = gguf.GGMLQuantizationType
-QTYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1]
-K_QUANTS = [Q.Q4_K, Q.Q6_K]
 
 
 @pytest.fixture(scope="module")
 def cpu_kernels():
     if reason := kernels.load_cpu_kernels():
         pytest.skip(f"no CPU kernels here: {reason}")
-
-
-def random_quantized(n: int, k: int, qtype: Q, seed: int = 0) -> tuple[QuantizedWeight, torch.Tensor]:
-    """Random weights quantized by gguf, and gguf's own dequantization of them."""
-    w = np.random.default_rng(seed).standard_normal((n, k), dtype=np.float32)
-    blocks = gguf.quants.quantize(w, qtype)
-    reference = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).copy())
-    return QuantizedWeight(torch.from_numpy(blocks.copy()), qtype, torch.Size((n, k))), reference
 
 
 def gemv_tolerance(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
@@ -120,7 +108,7 @@ class QuantLinearLike(QuantLinear):
         self.bias = bias
 
 
-# K-quants: super-blocks of 256 (gguf has no quantizer for them: random blocks, or quantize_k below)
+# K-quants: super-blocks of 256 (gguf has no quantizer for them: random blocks, or support_gguf's quantize_k)
 
 
 def random_k_quantized(n: int, k: int, qtype: Q, seed: int = 0) -> tuple[QuantizedWeight, torch.Tensor]:
@@ -179,43 +167,6 @@ def test_k_quant_batches_run_dequantized_slices_through_a_gemm(qtype, cpu_kernel
     torch.testing.assert_close(CpuOps.linear(x, QuantLinearLike(w, None)), F.linear(x, reference), rtol=1e-5, atol=1e-4)
 
 
-def quantize_k(w: np.ndarray, qtype: Q) -> np.ndarray:
-    """A plain round-to-nearest Q4_K / Q6_K quantizer (ggml-quants.c's layouts, not its search for scales)."""
-    rows, k = w.shape
-    sb = w.reshape(-1, 256).astype(np.float32)
-    if qtype == Q.Q6_K:
-        scale = np.abs(sb.reshape(-1, 16, 16)).max(-1) / 31
-        d = (scale.max(-1, keepdims=True) / 127).astype(np.float16)
-        sc = np.round(scale / np.maximum(d.astype(np.float32), 1e-30)).astype(np.int8)
-        step = (d.astype(np.float32) * sc).repeat(16, axis=1)
-        q = (np.clip(np.round(sb / np.where(step == 0, 1, step)), -32, 31) + 32).astype(np.uint8).reshape(-1, 2, 128)
-        ql = (q[..., :64] & 0x0F) | (q[..., 64:] & 0x0F) << 4
-        qh = sum(((q.reshape(-1, 2, 4, 32)[:, :, t] >> 4) & 3) << (2 * t) for t in range(4))
-        parts = [ql.reshape(-1, 128), qh.astype(np.uint8).reshape(-1, 64), sc.view(np.uint8), d.view(np.uint8)]
-    else:
-        sub = sb.reshape(-1, 8, 32)
-        mn = np.maximum(-sub.min(-1), 0)
-        scale = (sub.max(-1) + mn) / 15
-        d = (scale.max(-1, keepdims=True) / 63).astype(np.float16)
-        dmin = (mn.max(-1, keepdims=True) / 63).astype(np.float16)
-        isc = np.clip(np.round(scale / np.maximum(d.astype(np.float32), 1e-30)), 0, 63).astype(np.uint8)
-        imn = np.clip(np.round(mn / np.maximum(dmin.astype(np.float32), 1e-30)), 0, 63).astype(np.uint8)
-        step = (d.astype(np.float32) * isc)[..., None]
-        offset = (dmin.astype(np.float32) * imn)[..., None]
-        q = np.clip(np.round((sub + offset) / np.where(step == 0, 1, step)), 0, 15).astype(np.uint8)
-        scales = np.concatenate(
-            [
-                isc[:, :4] | (isc[:, 4:] >> 4) << 6,
-                imn[:, :4] | (imn[:, 4:] >> 4) << 6,
-                (isc[:, 4:] & 0x0F) | (imn[:, 4:] & 0x0F) << 4,
-            ],
-            axis=1,
-        )
-        qs = (q[:, 0::2] | q[:, 1::2] << 4).reshape(-1, 128)
-        parts = [d.view(np.uint8), dmin.view(np.uint8), scales, qs]
-    return np.concatenate(parts, axis=1).reshape(rows, -1)
-
-
 @pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda t: t.name)
 def test_quantize_k_round_trips_through_gguf_dequantize(qtype):
     w = np.random.default_rng(0).standard_normal((4, 512)).astype(np.float32)
@@ -224,40 +175,6 @@ def test_quantize_k_round_trips_through_gguf_dequantize(qtype):
 
 
 # models
-
-
-@pytest.fixture(scope="module")
-def tiny_chat_gguf(tmp_path_factory):
-    """A seeded tiny Llama with the byte-level ChatML tokenizer, one GGUF per type."""
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(**{**SIZES, "vocab_size": 262, "num_key_value_heads": 2})
-    config.initializer_range = 0.2
-    hf = transformers.LlamaForCausalLM(config).eval()
-    root = tmp_path_factory.mktemp("quant")
-    paths = {}
-    for qtype in [*QTYPES, Q.Q5_0]:
-        paths[qtype] = root / f"tiny.{qtype.name}.gguf"
-        write_gguf(paths[qtype], "llama", hf, qtype.name, metadata=[byte_level_tokenizer_metadata])
-    return paths
-
-
-def tiny_wide_ggufs(root, qtypes) -> dict:
-    """A seeded tiny Llama 256 wide (K-quant rows are multiples of 256), one GGUF per type."""
-    torch.manual_seed(0)
-    sizes = {**SIZES, "vocab_size": 262, "num_key_value_heads": 2, "hidden_size": 256, "intermediate_size": 512}
-    config = transformers.LlamaConfig(**sizes)
-    config.initializer_range = 0.2
-    hf = transformers.LlamaForCausalLM(config).eval()
-    paths = {}
-    with pytest.MonkeyPatch.context() as mp:  # write_gguf quantizes with gguf's quantize, which has no K-quants
-        quantize = test_models.quantize
-        mp.setattr(
-            test_models, "quantize", lambda w, kind: quantize_k(w, kind) if kind in K_QUANTS else quantize(w, kind)
-        )
-        for qtype in qtypes:
-            paths[qtype] = root / f"tiny.{qtype.name}.gguf"
-            write_gguf(paths[qtype], "llama", hf, qtype.name, metadata=[byte_level_tokenizer_metadata])
-    return paths
 
 
 @pytest.fixture(scope="module")

@@ -160,6 +160,7 @@ def test_quantized_weights_are_cut_along_whole_blocks_or_refused(tiny_model):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("cpu_kernels_built")  # a server process starts
 def test_served_greedy_output_equals_one_rank_and_sigterm_leaves_no_rank(tiny_model_dir, tiny_model, tmp_path):
     messages = [{"role": "user", "content": PROMPT}]
     with offline(tiny_model, kv_cache_gib=0.05) as one:
@@ -205,6 +206,7 @@ def cli_server(model_dir: Path, log_path: Path) -> Iterator[tuple[subprocess.Pop
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("cpu_kernels_built")  # a server process starts
 def test_sigkill_of_the_server_leaves_no_rank(tiny_model_dir, tmp_path):
     with cli_server(tiny_model_dir, tmp_path / "serve.log") as (proc, _):
         ranks = ranks_of(proc.pid)
@@ -215,6 +217,7 @@ def test_sigkill_of_the_server_leaves_no_rank(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("cpu_kernels_built")  # a server process starts
 def test_a_rank_killed_mid_run_fails_the_engine_and_the_server_exits_non_zero(tiny_model_dir, tmp_path):
     with cli_server(tiny_model_dir, tmp_path / "serve.log") as (proc, served):
         (rank,) = ranks_of(proc.pid)
