@@ -20,17 +20,29 @@ LAYERS = {"api": 0, "prompt": 1, "engine": 2, "models": 3, "kernels": 4}  # lowe
 ALLOWED: dict[str, set[str]] = {
     "atom_anyio": {"api", "llm", "sampling_params", "version"},  # the facade: app, LLM, SamplingParams, __version__
     "cli": {"atom_anyio", "api", "config", "obs", "settings"},
-    "api": {"prompt", "engine", "models", "parse", "obs", "config", "settings", "sampling_params", "version"},
+    "api": {
+        "prompt",
+        "engine",
+        "models",
+        "parse",
+        "obs",
+        "config",
+        "settings",
+        "sampling_params",
+        "generation_defaults",
+        "version",
+    },
     "llm": {"config", "engine", "models", "obs", "prompt", "sampling_params"},
     "config": {"engine", "kernels", "models", "parse", "settings"},
     "prompt": {"engine", "parse", "sampling_params"},
     "obs": {"engine"},  # metrics read the engine's stats record (engine.stats)
     "engine": {"models", "kernels", "sampling_params", "settings"},
-    "models": {"kernels", "sampling_params"},
+    "models": {"kernels", "generation_defaults"},
     "kernels": {"settings"},
     "parse": set(),
     "settings": set(),
     "sampling_params": set(),
+    "generation_defaults": {"sampling_params"},  # the model's sampling defaults sit with the sampling parameters
     "templates": set(),
     "version": set(),
 }

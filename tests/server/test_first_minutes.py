@@ -19,7 +19,7 @@ import pytest
 from support import clean_env, serving_app
 
 from atom_anyio import LLM
-from atom_anyio.models.generation_defaults import from_generation_config, from_gguf_metadata
+from atom_anyio.generation_defaults import from_generation_config, from_gguf_metadata
 from atom_anyio.models.loader import LoadedModel, load_model
 from atom_anyio.sampling_params import SamplingParams
 

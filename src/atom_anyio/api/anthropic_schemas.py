@@ -12,7 +12,7 @@ from pydantic import Discriminator, Field, Tag, TypeAdapter, ValidationError, fi
 from atom_anyio.api.openai_schemas import Lenient, thinking_enabled
 from atom_anyio.api.structured import forced_tools, only_one, response_format
 from atom_anyio.engine.request import KVLease
-from atom_anyio.models.generation_defaults import with_defaults
+from atom_anyio.generation_defaults import with_defaults
 from atom_anyio.parse import ParserSpec
 from atom_anyio.prompt.prepare import PromptRequest
 from atom_anyio.sampling_params import SamplingParams, StructuredOutputs

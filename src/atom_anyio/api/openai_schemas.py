@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from atom_anyio.api.errors import APIError
 from atom_anyio.api.structured import bad, forced_tools, only_one, response_format, vllm_structured
-from atom_anyio.models.generation_defaults import with_defaults
+from atom_anyio.generation_defaults import with_defaults
 from atom_anyio.parse import ParserSpec
 from atom_anyio.sampling_params import SamplingParams, StructuredOutputs
 

@@ -27,7 +27,7 @@ from atom_anyio.api.responses_ws import serve_websocket
 from atom_anyio.api.runtime import Runtime
 from atom_anyio.api.sealed import Sealer
 from atom_anyio.api.structured import forced_tools, only_one, response_format
-from atom_anyio.models.generation_defaults import with_defaults
+from atom_anyio.generation_defaults import with_defaults
 from atom_anyio.prompt.prepare import PreparedPrompt, PromptRequest
 from atom_anyio.sampling_params import SamplingParams
 

@@ -23,10 +23,10 @@ from safetensors import safe_open
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from atom_anyio import kernels
+from atom_anyio.generation_defaults import BUNDLED_MODEL_DEFAULTS, from_generation_config, from_gguf_metadata
 from atom_anyio.models import quant
 from atom_anyio.models.attention import CpuPagedAttention, select_backend
 from atom_anyio.models.decoder import LlamaForCausalLM, ModelConfig, merge_hf_overrides, pack_weights
-from atom_anyio.models.generation_defaults import BUNDLED_MODEL_DEFAULTS, from_generation_config, from_gguf_metadata
 from atom_anyio.models.gguf_file import load_gguf_tokenizer, read_gguf
 from atom_anyio.models.moe import stack_experts
 from atom_anyio.models.ops import CpuOps, can_pack_bf16, on_amx_tiles, pack_bf16_linears
