@@ -70,7 +70,7 @@ class LLM:
         else:
             backend = attention_backend or env_setting("attention_backend")  # ATOM_ATTENTION_BACKEND
             gguf_weights = gguf_weights or env_setting("gguf_weights") or "auto"  # ATOM_GGUF_WEIGHTS
-            if batch_invariant is None:  # ATOM_BATCH_INVARIANT; unset: auto (free_invariance_reason)
+            if batch_invariant is None:  # ATOM_BATCH_INVARIANT; unset: auto (batch_invariant_auto_reason)
                 batch_invariant = env_setting("batch_invariant")
             self.loaded = load_model(
                 model,

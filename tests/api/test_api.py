@@ -755,7 +755,7 @@ async def test_invalid_body_names_the_field(client):
         {"messages": [{"role": "user", "content": [{"text": "no type"}]}]},
         {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"messages": []}},
         {"messages": [{"role": "user", "content": "hi"}], "truncate_prompt_tokens": 0},
-        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**30},
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1},  # (10**30: clamped to the context)
         {"messages": [{"role": "user", "content": "hi"}], "stop_token_ids": [-1]},
         {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"99999999999999999999": 1}},
         {"messages": [{"role": "user", "content": "hi"}], "continue_final_message": True},

@@ -138,7 +138,7 @@ def test_fused_step_equals_the_op_by_op_path_in_bfloat16_on_the_amx_tiles(varian
     passes it (batch invariance on or off)."""
     model = random_model(**VARIANTS[variant]).to(torch.bfloat16)
     pack_bf16_linears(model, amx=True)
-    model.attention_backend.use_free_invariance(invariant)
+    model.attention_backend.use_auto_batch_invariant(invariant)
     assert_same(model, step)
 
 

@@ -22,7 +22,7 @@ from atom_anyio.models import quant
 from atom_anyio.models.attention import AttentionMetadata
 from atom_anyio.models.attention.cpu import INVARIANT_PARTITION
 from atom_anyio.models.loader import load_model
-from atom_anyio.models.ops import InvariantCpuOps, pack_bf16_linears
+from atom_anyio.models.ops import BatchInvariantCpuOps, pack_bf16_linears
 from atom_anyio.models.quant import QuantLinear
 
 Q = gguf.GGMLQuantizationType
@@ -37,7 +37,7 @@ def cpu_kernels():
 
 
 def linears(dtype: torch.dtype) -> dict[str, torch.nn.Module]:
-    """One linear layer of each kind ``InvariantCpuOps.linear`` runs: float weights, oneDNN's packed
+    """One linear layer of each kind ``BatchInvariantCpuOps.linear`` runs: float weights, oneDNN's packed
     bfloat16 copy, quantized blocks with and without their dense copy."""
     torch.manual_seed(0)
     dense = torch.nn.Linear(96, 80, bias=True).to(dtype)
@@ -61,16 +61,16 @@ def linears(dtype: torch.dtype) -> dict[str, torch.nn.Module]:
 def test_a_rows_linear_output_is_the_same_bits_in_any_batch_and_place(dtype):
     x = torch.randn(70, 96).to(dtype)
     for kind, layer in linears(dtype).items():
-        every = InvariantCpuOps.linear(x, layer)
+        every = BatchInvariantCpuOps.linear(x, layer)
         assert every.is_contiguous(), kind  # the decoder views q, k and v in place
         reference = F.linear(
             x.float(), quant_or_dense(layer).float(), None if layer.bias is None else layer.bias.float()
         )
         assert torch.allclose(every.float(), reference, rtol=0.05, atol=0.05), kind
         for begin, end in [(0, 1), (5, 6), (3, 7), (13, 30), (16, 32), (40, 70)]:
-            part = InvariantCpuOps.linear(x[begin:end], layer)
+            part = BatchInvariantCpuOps.linear(x[begin:end], layer)
             assert torch.equal(part, every[begin:end]), f"{kind}: rows {begin}:{end} differ from the same rows in 70"
-        assert InvariantCpuOps.linear(x[:0], layer).shape == (0, 80)
+        assert BatchInvariantCpuOps.linear(x[:0], layer).shape == (0, 80)
 
 
 def quant_or_dense(layer) -> torch.Tensor:
@@ -226,7 +226,7 @@ def test_a_sequences_logits_do_not_depend_on_batch_chunks_cache_or_async(request
 
     whole = llm(max_num_batched_tokens=2048)
     backend = whole.engine.worker.model.attention_backend
-    assert backend.batch_invariant and backend.free_invariance == (setting is None)
+    assert backend.batch_invariant and backend.batch_invariant_auto == (setting is None)
     if model == "wide_gguf" and kernels.has_amx_linears():  # the tiles run it here
         assert kernels.amx_attention_active()
         assert all(m.amx_weight is not None for m in whole.engine.worker.model.modules() if hasattr(m, "amx_weight"))
@@ -266,7 +266,7 @@ def test_auto_turns_batch_invariance_on_only_where_it_costs_nothing(request, cap
     try:
         llm = LLM(str(path), dtype=dtype, gguf_weights=gguf_weights, num_kv_blocks=64, **engine)
         backend = llm.engine.worker.model.attention_backend
-        assert backend.batch_invariant == backend.free_invariance == on
+        assert backend.batch_invariant == backend.batch_invariant_auto == on
         assert backend.paged_prefill == (on or backend.name == "cpu_paged")
         assert llm.generate([TARGET[:40]], SamplingParams(max_tokens=2))[0].outputs[0].finish_reason == "length"
     finally:
@@ -288,15 +288,15 @@ def test_an_engine_built_later_on_the_same_model_takes_autos_invariance_back(wid
     a model loaded afresh."""
     loaded = load_model(str(wide_gguf), dtype="bfloat16", gguf_weights="both")
     backend = loaded.model.attention_backend
-    assert backend.free_invariance and backend.batch_invariant
+    assert backend.batch_invariant_auto and backend.batch_invariant
     params = SamplingParams(max_tokens=6, temperature=0)
     try:
         off = LLM(loaded, num_kv_blocks=64, cpu_amx=False)
-        assert not backend.free_invariance and not backend.batch_invariant
+        assert not backend.batch_invariant_auto and not backend.batch_invariant
         assert off.generate([TARGET[:40]], params)[0].outputs[0].finish_reason == "length"
         del off
         on = LLM(loaded, num_kv_blocks=64)
-        assert backend.free_invariance and backend.batch_invariant and backend.paged_prefill
+        assert backend.batch_invariant_auto and backend.batch_invariant and backend.paged_prefill
         fresh = LLM(str(wide_gguf), dtype="bfloat16", gguf_weights="both", num_kv_blocks=64)
         tokens = [llm.generate([TARGET[:40]], params)[0].outputs[0].token_ids for llm in (on, fresh)]
         assert tokens[0] == tokens[1]

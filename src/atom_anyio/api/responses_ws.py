@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import structlog
 from pydantic import ValidationError
@@ -25,8 +26,15 @@ from atom_anyio.api.limits import check_body
 from atom_anyio.api.response_store import ResponseStore
 from atom_anyio.api.responses_schemas import ResponsesRequest
 
-if TYPE_CHECKING:
-    from atom_anyio.api.responses import Responses
+
+class Responses(Protocol):
+    """What the socket runs its turns through (``responses.Responses``); a protocol, as that module
+    imports this one to serve the route."""
+
+    def turn(self, req: ResponsesRequest, *, frame: Callable[[dict[str, Any]], str], cache: ResponseStore) -> Any: ...
+
+    async def respond(self, turn: Any) -> Any: ...
+
 
 CACHED_RESPONSES = 8
 FINISHED = ("response.completed", "response.incomplete")

@@ -3,17 +3,26 @@ back) and the repetition, frequency and presence penalties, all rows at once."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 
 from atom_anyio.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from atom_anyio.engine.sampler import SamplingInputs
+
+class ProcessorInputs(Protocol):
+    """What the processors read of a step's ``sampler.SamplingInputs`` (a protocol: the sampler imports
+    this module)."""
+
+    params: list[SamplingParams]
+    prompt_token_ids: Sequence[Sequence[int]]
+    output_token_ids: Sequence[Sequence[int]]
+    eos_token_ids: Sequence[int]
+    matchers: Sequence[Any] | None
 
 
-def process_logits(logits: torch.Tensor, inputs: SamplingInputs) -> torch.Tensor:
+def process_logits(logits: torch.Tensor, inputs: ProcessorInputs) -> torch.Tensor:
     """Applies logit_bias, min_tokens, then repetition, frequency and presence
     penalties. Returns ``logits`` itself when no row needs any of them, else a copy."""
     params = inputs.params
@@ -61,7 +70,7 @@ def _add_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> None:
     logits.index_put_((long_tensor(rows, logits.device), long_tensor(cols, logits.device)), bias, accumulate=True)
 
 
-def _mask_stop_tokens(logits: torch.Tensor, inputs: SamplingInputs, under_min: list[int]) -> None:
+def _mask_stop_tokens(logits: torch.Tensor, inputs: ProcessorInputs, under_min: list[int]) -> None:
     rows: list[int] = []
     cols: list[int] = []
     for i in under_min:
@@ -78,7 +87,7 @@ def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tens
     return long_tensor([[*r, *[pad] * (width - len(r))] for r in rows], device)
 
 
-def _apply_penalties(logits: torch.Tensor, inputs: SamplingInputs) -> None:
+def _apply_penalties(logits: torch.Tensor, inputs: ProcessorInputs) -> None:
     params = inputs.params
     num_rows, vocab = logits.shape
     # padding lands in an extra column that is dropped

@@ -95,8 +95,8 @@ class Worker:
             backend = model.attention_backend
             # auto's choice at load holds only with the tiles on: off, it would cost (and an engine
             # built later on the same model with them on again takes it back)
-            if getattr(backend, "free_invariance_chosen", False) and backend.free_invariance != on_tiles:
-                backend.use_free_invariance(on_tiles)
+            if getattr(backend, "batch_invariant_auto_chosen", False) and backend.batch_invariant_auto != on_tiles:
+                backend.use_auto_batch_invariant(on_tiles)
                 why = "cpu_amx and cpu_native_kernels on" if on_tiles else "cpu_amx or cpu_native_kernels off"
                 log.info("model.batch_invariant", enabled=on_tiles, requested="auto", why=why)
         cfg = model.config

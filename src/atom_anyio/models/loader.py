@@ -159,7 +159,7 @@ def load_model(
     ``tensor_parallel_size`` > 1, only ``rank``'s shard of the weights (models/tensor_parallel.py).
     ``gguf_weights``: see ``gguf_layout``. ``batch_invariant``: a sequence's logits do not depend on
     the rest of the batch, its chunking or its prefix-cache hits (``CpuPagedAttention``); None
-    (auto): where that costs nothing (``free_invariance_reason``). ``hf_overrides``: keys merged
+    (auto): where that costs nothing (``batch_invariant_auto_reason``). ``hf_overrides``: keys merged
     into the model's config (vLLM's ``--hf-overrides``; ``with_hf_overrides``)."""
     path = os.fspath(path) if path else default_model_path()
     source = ModelSource(path, dtype, str(device), attention_backend, gguf_weights, batch_invariant, hf_overrides)
@@ -189,9 +189,9 @@ def load_model(
     packed_bytes = 0
     if issubclass(model.attention_backend.ops, CpuOps) and dtype == torch.bfloat16 and can_pack_bf16():
         packed_bytes = pack_bf16_linears(model)
-    if batch_invariant is None and (why := free_invariance_reason(model)):
-        model.attention_backend.use_free_invariance(True)
-        model.attention_backend.free_invariance_chosen = True
+    if batch_invariant is None and (why := batch_invariant_auto_reason(model)):
+        model.attention_backend.use_auto_batch_invariant(True)
+        model.attention_backend.batch_invariant_auto_chosen = True
         log.info("model.batch_invariant", enabled=True, requested="auto", why=why)
     log.info(
         "model.weights",
@@ -208,7 +208,7 @@ def load_model(
     return LoadedModel(model, tokenizer, cfg, chat_template, name, generation_defaults=generation, source=source)
 
 
-def free_invariance_reason(model: LlamaForCausalLM) -> str | None:
+def batch_invariant_auto_reason(model: LlamaForCausalLM) -> str | None:
     """Why ``batch_invariant`` at auto turns on for this model, or None: it costs nothing where every
     linear runs on the AMX GEMM (one chain of tile products per output element whatever the row
     count, at any row count the fastest here) and the attention on the AMX tiles, whose

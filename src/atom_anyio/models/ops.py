@@ -132,7 +132,7 @@ class CpuOps:
         return q, k
 
 
-class InvariantCpuOps(CpuOps):
+class BatchInvariantCpuOps(CpuOps):
     """``CpuOps`` whose linears give a row the same bits whatever else the step holds (the
     ``batch_invariant`` setting). Torch's GEMMs choose kernel and blocking by the row count
     (measured on an AMX Xeon: oneDNN's packed bfloat16 GEMM rounds rows differently at 48+ rows
@@ -161,8 +161,8 @@ class InvariantCpuOps(CpuOps):
             dense = w.dense if isinstance(w, QuantizedWeight) else w
             if _float32_gemv_runs(x, dense):  # a dense copy too: MKL's GEMM gave a row other bits now and then
                 return _gemv_rows(x, w.shape[0], torch.ops.atom.gemv, dense, layer.bias)
-        x, rows = _padded(x, InvariantCpuOps.TILE_ROWS)
-        tiles = [_tile_linear(t, layer) for t in x.split(InvariantCpuOps.TILE_ROWS)]
+        x, rows = _padded(x, BatchInvariantCpuOps.TILE_ROWS)
+        tiles = [_tile_linear(t, layer) for t in x.split(BatchInvariantCpuOps.TILE_ROWS)]
         return (tiles[0] if len(tiles) == 1 else torch.cat(tiles))[:rows]
 
     lm_head = linear

@@ -9,7 +9,7 @@ import torch
 
 from atom_anyio import kernels
 from atom_anyio.models.attention.metadata import AttentionMetadata
-from atom_anyio.models.ops import CpuOps, InvariantCpuOps
+from atom_anyio.models.ops import BatchInvariantCpuOps, CpuOps
 
 # keys per partition of a batch-invariant call (with the block size's lcm): each partition's partial
 # is merged, so it is large enough that merging costs little against a prefill chunk's work over a
@@ -26,26 +26,26 @@ class CpuPagedAttention:
 
     ``batch_invariant``: every row through the kernel, its keys split at fixed multiples of
     ``INVARIANT_PARTITION`` whatever the batch, and the model's linears in fixed tiles
-    (``InvariantCpuOps``): a sequence's logits are the same bits alone or batched, in one prefill or
+    (``BatchInvariantCpuOps``): a sequence's logits are the same bits alone or batched, in one prefill or
     in chunks, computed or taken from the prefix cache."""
 
     def __init__(self, paged_prefill: bool = False, batch_invariant: bool = False, amx_prefill: bool = False):
         self.paged_prefill = paged_prefill or batch_invariant
         self.batch_invariant = batch_invariant
-        self.free_invariance = False  # batch_invariant turned on by auto where it costs nothing
-        self.free_invariance_chosen = False  # auto chose it at load: each engine's Worker decides whether it runs
+        self.batch_invariant_auto = False  # batch_invariant turned on by auto where it costs nothing
+        self.batch_invariant_auto_chosen = False  # auto chose it at load: each engine's Worker decides whether it runs
         # prefill chunks through the kernel while it runs on the AMX tiles (auto's choice for
         # bfloat16 on such a CPU), through SDPA when cpu_amx=false turns them off
         self.amx_prefill = amx_prefill
-        self.ops = InvariantCpuOps if batch_invariant else CpuOps
+        self.ops = BatchInvariantCpuOps if batch_invariant else CpuOps
         self.name = "cpu_paged" if self.paged_prefill else "cpu"
-        self._own_paged_prefill = self.paged_prefill  # what use_free_invariance(False) goes back to
+        self._own_paged_prefill = self.paged_prefill  # what use_auto_batch_invariant(False) goes back to
 
-    def use_free_invariance(self, enabled: bool) -> None:
+    def use_auto_batch_invariant(self, enabled: bool) -> None:
         """Batch-invariant attention (every row through the kernel, keys split at fixed multiples)
         for a model whose linears already are (every one on the AMX GEMM, which ``CpuOps`` runs at
-        any row count: ``loader.free_invariance_reason``), or back to this backend's own way."""
-        self.free_invariance = self.batch_invariant = enabled
+        any row count: ``loader.batch_invariant_auto_reason``), or back to this backend's own way."""
+        self.batch_invariant_auto = self.batch_invariant = enabled
         self.paged_prefill = enabled or self._own_paged_prefill
         self.name = "cpu_paged" if self.paged_prefill else "cpu"
 
