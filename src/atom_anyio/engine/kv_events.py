@@ -18,7 +18,6 @@ as unsigned 64-bit ints, the same in every replica that serves the same model.
 
 from __future__ import annotations
 
-import json
 import queue
 import threading
 import time
@@ -27,6 +26,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import anyio
+
+from atom_anyio.settings import json_object
 
 try:
     import msgspec
@@ -59,11 +60,9 @@ class KVEventsConfig:
         if not text:
             return None
         try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"kv_events_config is not valid JSON: {exc}") from None
-        if not isinstance(raw, dict):
-            raise ValueError("kv_events_config must be a JSON object")
+            raw = json_object(text)
+        except ValueError as exc:
+            raise ValueError(f"kv_events_config: {exc}") from None
         known = {f.name: f for f in fields(cls)}
         for key, value in raw.items():
             if key not in known:
