@@ -27,8 +27,8 @@ CACHE_TTL_S = {"5m": 300, "1h": 3600}
 
 
 class CacheControl(Lenient):
-    """A prompt-caching breakpoint: validated and kept (``MessagesInput.cache_ttl_s``); the prefix
-    cache here needs no breakpoints."""
+    """A prompt-caching breakpoint: validated, its ``ttl`` how long the turn's KV is leased
+    (``MessagesInput.cache_ttl_s``); the prefix cache itself needs no breakpoints."""
 
     type: Literal["ephemeral"]
     ttl: Literal["5m", "1h"] = "5m"

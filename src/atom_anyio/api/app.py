@@ -19,12 +19,13 @@ from typing import Any
 
 import anyio
 import structlog
-from quart import Quart, Response, has_request_context, request, websocket
+from quart import Quart, Response, has_request_context, request
 from quart.asgi import ASGIHTTPConnection
 from werkzeug.exceptions import HTTPException
 
 from atom_anyio.api.anthropic import messages_blueprint
 from atom_anyio.api.errors import APIError
+from atom_anyio.api.http import connection
 from atom_anyio.api.hypercorn_drain import drain_before_hypercorn_shutdown
 from atom_anyio.api.openai_chat import chat_blueprint
 from atom_anyio.api.openai_completions import completions_blueprint
@@ -263,11 +264,6 @@ def add_cors(app: Quart, allow_origins: str) -> None:
             response.headers["Access-Control-Expose-Headers"] = "X-Request-Id, Retry-After"
             response.headers.add("Vary", "Origin")
         return response
-
-
-def connection() -> Any:
-    """The HTTP request, or the WebSocket handshake, being handled (their path, method, headers)."""
-    return request if has_request_context() else websocket
 
 
 def endpoint_label() -> str:

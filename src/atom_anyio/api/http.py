@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
-from quart import Response, has_request_context, has_websocket_context, request, websocket
+from quart import Response, has_request_context, request, websocket
 
 from atom_anyio.api.errors import APIError, from_validation_error
 from atom_anyio.api.limits import check_body, depth_error
@@ -23,11 +23,16 @@ SESSION_HEADERS = ("x-claude-code-session-id", "session-id")
 MAX_LEASE_KEY_CHARS = 256
 
 
+def connection() -> Any:
+    """The HTTP request, or the WebSocket handshake, being handled (their path, method, headers)."""
+    return request if has_request_context() else websocket
+
+
 def kv_lease(key: str | None = None, ttl_s: float | None = None) -> KVLease:
     """How the request's KV outlasts it: for its conversation (the body's key, e.g. OpenAI's
     ``prompt_cache_key``, else an agent CLI's session header; none: the request alone), for
     ``ttl_s`` (None: the server's ``kv_lease_ttl_s``)."""
-    headers = request.headers if has_request_context() else websocket.headers if has_websocket_context() else {}
+    headers = connection().headers
     key = key or next((v for h in SESSION_HEADERS if (v := headers.get(h))), None)
     return KVLease(key[:MAX_LEASE_KEY_CHARS] if key else None, ttl_s)
 

@@ -81,8 +81,9 @@ def sse_frame(event: Event) -> str:
 
 
 class Responses:
-    """What every Responses route shares: the store, the sealing key (one per server: sealed items
-    do not survive a restart), and the path from a parsed request to its response."""
+    """What every Responses route shares: the store, the sealing key (``responses_seal_key``, else
+    one per process: then sealed items do not survive a restart), and the path from a parsed
+    request to its response."""
 
     def __init__(self, rt: Runtime, store: ResponseStore, sealer: Sealer):
         self.rt = rt
@@ -112,10 +113,11 @@ class Responses:
         self, req: ResponsesRequest, tools: ToolSet, forced: str | None, conversation: list[InputItem]
     ) -> PromptRequest:
         is_parsing_tools = bool(tools.offered) and req.tool_choice != "none"
-        calls = forced_tools(self.rt.parser_spec, tools.chat(), forced, parallel=req.parallel_tool_calls)
+        chat_tools = tools.chat()
+        calls = forced_tools(self.rt.parser_spec, chat_tools, forced, parallel=req.parallel_tool_calls)
         return PromptRequest(
             messages=to_messages(conversation, req.instructions),
-            tools=tools.chat() if is_parsing_tools else None,
+            tools=chat_tools if is_parsing_tools else None,
             chat_template_kwargs=req.chat_template_kwargs,
             params=self._params(req, req.max_output_tokens if req.generate else 1, is_parsing_tools),
             truncation=req.truncation,
