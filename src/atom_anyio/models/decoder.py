@@ -93,8 +93,7 @@ class ModelConfig:
             )
         if (act := cfg.get("hidden_act", "silu")) != "silu":
             raise ValueError(f"hidden_act {act!r} is not supported (supported: silu)")
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        eos_ids = hf_eos_ids(cfg.get("eos_token_id"))
         heads = cfg["num_attention_heads"]
         theta, rope_scaling = hf_rope(cfg)
         return cls(
@@ -127,6 +126,11 @@ ROPE_KEYS = ("rope_scaling", "rope_parameters", "rope_theta", "partial_rotary_fa
 FIELD_KEYS = ("max_position_embeddings", "rms_norm_eps", "sliding_window", "bos_token_id")
 
 
+def hf_eos_ids(eos: Any) -> tuple[int, ...]:
+    """A Hugging Face ``eos_token_id`` (one id, a list, or none) as a tuple."""
+    return tuple(eos) if isinstance(eos, list) else () if eos is None else (eos,)
+
+
 def merge_hf_overrides(cfg: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
     """A ``config.json`` with ``overrides`` over it; ``rope_scaling`` and transformers 5's
     ``rope_parameters`` name one thing, so an override of either replaces both (keeping the theta)."""
@@ -149,8 +153,7 @@ def with_hf_overrides(cfg: ModelConfig, overrides: Mapping[str, Any]) -> ModelCo
         )
     changes: dict[str, Any] = {k: overrides[k] for k in FIELD_KEYS if k in overrides}
     if "eos_token_id" in overrides:
-        eos = overrides["eos_token_id"]
-        changes["eos_token_ids"] = tuple(eos) if isinstance(eos, list) else (eos,)
+        changes["eos_token_ids"] = hf_eos_ids(overrides["eos_token_id"])
     if any(k in overrides for k in ROPE_KEYS):
         max_len = changes.get("max_position_embeddings", cfg.max_position_embeddings)
         base = {"rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling, "max_position_embeddings": max_len}

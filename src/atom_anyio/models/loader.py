@@ -26,7 +26,7 @@ from atom_anyio import kernels
 from atom_anyio.generation_defaults import BUNDLED_MODEL_DEFAULTS, from_generation_config, from_gguf_metadata
 from atom_anyio.models import quant
 from atom_anyio.models.attention import CpuPagedAttention, select_backend
-from atom_anyio.models.decoder import LlamaForCausalLM, ModelConfig, merge_hf_overrides, pack_weights
+from atom_anyio.models.decoder import LlamaForCausalLM, ModelConfig, hf_eos_ids, merge_hf_overrides, pack_weights
 from atom_anyio.models.gguf_file import load_gguf_tokenizer, read_gguf
 from atom_anyio.models.moe import stack_experts
 from atom_anyio.models.ops import CpuOps, can_pack_bf16, on_amx_tiles, pack_bf16_linears
@@ -272,8 +272,7 @@ def load_hf_weights(path: str, hf_overrides: Mapping[str, Any] | None = None) ->
     cfg = ModelConfig.from_hf(merge_hf_overrides(json.loads((root / "config.json").read_text()), hf_overrides or {}))
     generation = root / "generation_config.json"
     if generation.is_file():
-        eos = json.loads(generation.read_text()).get("eos_token_id")
-        eos = eos if isinstance(eos, list) else [] if eos is None else [eos]
+        eos = hf_eos_ids(json.loads(generation.read_text()).get("eos_token_id"))
         cfg = dataclasses.replace(cfg, eos_token_ids=tuple(dict.fromkeys([*cfg.eos_token_ids, *eos])))
     return cfg, read_safetensors(root)
 
