@@ -395,10 +395,10 @@ def _context_length_error(
     """The prompt, or the prompt and the completion asked for, past the context or the KV pool."""
     num_output = request.num_reserved_output_tokens
     num_asked = num_prompt_tokens + num_output
-    limit, what = ctx.max_model_len, "maximum context length"
-    if ctx.max_kv_tokens is not None and ctx.max_kv_tokens < ctx.max_model_len and num_asked <= ctx.max_model_len:
-        limit, what = ctx.max_kv_tokens, "KV cache pool"
-    if what == "KV cache pool":
+    # the pool is the bound where it is smaller than the context and the request fits the context
+    is_pool = ctx.max_kv_tokens is not None and ctx.max_kv_tokens < ctx.max_model_len and num_asked <= ctx.max_model_len
+    limit = ctx.max_kv_tokens if is_pool else ctx.max_model_len
+    if is_pool:
         message = (
             f"The request needs {num_asked} tokens of KV cache ({num_prompt_tokens} in the {request.param}, "
             f"{num_output} in the completion) but the pool holds {limit}."
