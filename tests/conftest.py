@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 import transformers
-from support import write_tiny_llama
+from support_models import write_tiny_llama
 
 from atom_anyio import kernels
 from atom_anyio.models.loader import LoadedModel, default_model_path, load_model

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 import transformers
 from gguf.quants import dequantize, quantize
-from support import BYTE_LEVEL_VOCAB, TINY_SIZES
+from support_models import BYTE_LEVEL_VOCAB, TINY_SIZES
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from atom_anyio.models.quant import QuantizedWeight

@@ -20,7 +20,8 @@ from typing import Any
 import anthropic
 import pytest
 from structlog.testing import capture_logs
-from support import ScriptedSampler, free_port, scripted, served_over_http
+from support_fakes import ScriptedSampler, scripted
+from support_servers import free_port, served_over_http
 
 from atom_anyio.api.anthropic_schemas import MessagesRequest
 from atom_anyio.api.app import AtomApp

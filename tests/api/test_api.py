@@ -19,7 +19,8 @@ from typing import Any
 import anyio
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from support import hook_prepare, wait_until
+from support_fakes import hook_prepare
+from support_servers import wait_until
 
 from atom_anyio.api.app import AtomApp
 from atom_anyio.config import Config

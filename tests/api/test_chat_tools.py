@@ -12,7 +12,8 @@ import json
 import re
 
 import pytest
-from support import scripted, serving_app
+from support_fakes import scripted
+from support_servers import serving_app
 
 from atom_anyio.api.app import AtomApp
 from atom_anyio.config import Config
@@ -189,7 +190,7 @@ async def test_the_parser_flags_override_the_template(tiny_model):
 async def test_openai_sdk_chat_with_tools_and_streamed_reasoning_over_http(app):
     """The official SDK against real hypercorn: a tool-call round trip and streamed reasoning_content."""
     import openai
-    from support import served_over_http
+    from support_servers import served_over_http
 
     thought = "The user wants the weather, so I call the tool."
     async with served_over_http(app) as base_url:
@@ -370,7 +371,7 @@ async def test_default_flags_anthropic_tools_auto_any_and_tool(smol):
 async def test_default_flags_sdk_clients_receive_structured_tool_calls_over_http(smol):
     import anthropic
     import openai
-    from support import served_over_http
+    from support_servers import served_over_http
 
     async with served_over_http(smol) as base_url:
         oa = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
@@ -415,7 +416,7 @@ async def test_a_call_cut_by_max_tokens_is_a_cut_tool_call_in_every_api_never_co
     holds. Streamed or not, the markup never reaches the text."""
     import anthropic
     import openai
-    from support import served_over_http
+    from support_servers import served_over_http
 
     model = smol.runtime.model_name
     async with served_over_http(smol) as base_url:

@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 import pytest
-from support import scripted
+from support_fakes import scripted
 
 from atom_anyio.api.app import AtomApp
 from atom_anyio.config import Config

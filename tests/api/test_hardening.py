@@ -24,17 +24,8 @@ import anyio
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from support import (
-    FailingSampler,
-    Served,
-    clean_env,
-    free_port,
-    hook_prepare,
-    serving_app,
-    wait_healthy,
-    wait_ready,
-    wait_until,
-)
+from support_fakes import FailingSampler, hook_prepare
+from support_servers import Served, clean_env, free_port, serving_app, wait_healthy, wait_ready, wait_until
 
 from atom_anyio.api import limits
 from atom_anyio.api.app import AtomApp

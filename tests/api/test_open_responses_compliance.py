@@ -19,7 +19,8 @@ from pathlib import Path
 
 import anyio
 import pytest
-from support import scripted, served_over_http
+from support_fakes import scripted
+from support_servers import served_over_http
 
 from atom_anyio.api.app import AtomApp
 from atom_anyio.config import Config

@@ -14,7 +14,8 @@ from typing import Any
 
 import openai
 import pytest
-from support import FailingSampler, scripted, served_over_http
+from support_fakes import FailingSampler, scripted
+from support_servers import served_over_http
 
 from atom_anyio.api.app import AtomApp
 from atom_anyio.api.response_store import ResponseStore, StoredResponse

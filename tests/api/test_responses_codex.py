@@ -19,7 +19,8 @@ import openresponses_types as spec
 import pytest
 import websockets
 from structlog.testing import capture_logs
-from support import hook_prepare, scripted, served_over_http
+from support_fakes import hook_prepare, scripted
+from support_servers import served_over_http
 
 from atom_anyio.api.app import AtomApp
 from atom_anyio.api.compaction import SUMMARY_INSTRUCTION

@@ -14,7 +14,9 @@ import anyio
 import pytest
 import torch
 import transformers
-from support import WORDS, ScriptedSampler, serving_app
+from support_fakes import ScriptedSampler
+from support_models import WORDS
+from support_servers import serving_app
 
 from atom_anyio import LLM
 from atom_anyio.cli import build_parser

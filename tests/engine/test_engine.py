@@ -12,7 +12,7 @@ from pathlib import Path
 import anyio
 import pytest
 import torch
-from support import WORDS
+from support_models import WORDS
 
 from atom_anyio import LLM, SamplingParams
 from atom_anyio.engine.block_hash import block_hash_chain

@@ -10,7 +10,7 @@ from typing import Any
 
 import anyio
 import pytest
-from support import free_port, serving_app
+from support_servers import free_port, serving_app
 
 from atom_anyio.config import Config
 from atom_anyio.engine.block_hash import block_hash_chain

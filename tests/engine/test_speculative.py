@@ -13,7 +13,7 @@ from dataclasses import replace
 import anyio
 import numpy as np
 import pytest
-from support import WORDS
+from support_models import WORDS
 
 from atom_anyio import LLM, SamplingParams
 from atom_anyio.api.usage import Usage

@@ -19,7 +19,8 @@ import openai
 import pydantic
 import pytest
 import xgrammar as xgr
-from support import HookedSegmentCache, scripted, served_over_http, serving_app
+from support_fakes import HookedSegmentCache, scripted
+from support_servers import served_over_http, serving_app
 
 from atom_anyio.api.app import AtomApp
 from atom_anyio.config import Config

@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 import xgrammar as xgr
 from structlog.testing import capture_logs
-from support import serving_app
+from support_servers import serving_app
 
 from atom_anyio.engine.core import Engine
 from atom_anyio.engine.engine_config import EngineConfig

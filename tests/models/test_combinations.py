@@ -9,8 +9,9 @@ import gguf
 import pytest
 import torch
 import torch.nn.functional as F
-from support import CPU_COMBINATIONS, assert_greedy_close, serving_app, write_tiny_llama
 from support_gguf import tiny_wide_ggufs
+from support_models import CPU_COMBINATIONS, assert_greedy_close, write_tiny_llama
+from support_servers import serving_app
 
 from atom_anyio import LLM, SamplingParams, kernels
 from atom_anyio.models.loader import load_model

@@ -15,9 +15,8 @@ import pytest
 import torch
 import transformers
 from gguf.quants import dequantize, quantize
-from support import TINY_FAMILIES, TINY_GGUF_MOE_SIZES
 from support_gguf import byte_level_tokenizer_metadata, gguf_name, llama_cpp_permute, write_shape_metadata
-from support_models import greedy, hf_greedy, prompt_tokens
+from support_models import TINY_FAMILIES, TINY_GGUF_MOE_SIZES, greedy, hf_greedy, prompt_tokens
 
 from atom_anyio import LLM, kernels
 from atom_anyio.models.decoder import FULL, SLIDING

@@ -11,9 +11,8 @@ import gguf
 import pytest
 import torch
 import torch.nn.functional as F
-from support import CPU_COMBINATIONS
 from support_gguf import random_quantized, tiny_wide_ggufs
-from support_models import random_hf_model
+from support_models import CPU_COMBINATIONS, random_hf_model
 
 from atom_anyio import LLM, SamplingParams, kernels
 from atom_anyio.cli import build_parser

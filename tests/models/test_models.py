@@ -15,8 +15,8 @@ import pytest
 import safetensors.torch
 import torch
 import transformers
-from support import BYTE_LEVEL_VOCAB, TINY_SIZES, tiny_families
 from support_gguf import byte_level_tokenizer_metadata, write_gguf
+from support_models import BYTE_LEVEL_VOCAB, TINY_SIZES, tiny_families
 
 from atom_anyio.models.attention import AttentionMetadata
 from atom_anyio.models.decoder import pack_weights

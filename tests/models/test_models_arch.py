@@ -15,8 +15,7 @@ import shutil
 import pytest
 import torch
 import transformers
-from support import tiny_families
-from support_models import greedy, hf_greedy, prompt_tokens, random_hf_model
+from support_models import greedy, hf_greedy, prompt_tokens, random_hf_model, tiny_families
 
 from atom_anyio import LLM
 from atom_anyio.models.attention import AttentionMetadata, TorchPagedAttention

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from support import CPU_COMBINATIONS, assert_greedy_close
 from support_gguf import K_QUANTS, QTYPES, quantize_k, random_quantized, tiny_wide_ggufs
+from support_models import CPU_COMBINATIONS, assert_greedy_close
 
 from atom_anyio import LLM, SamplingParams, kernels
 from atom_anyio.models import quant

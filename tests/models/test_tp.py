@@ -18,7 +18,8 @@ import psutil
 import pytest
 import torch
 import transformers
-from support import Served, clean_env, free_port, running, wait_ready, write_tiny_llama
+from support_models import write_tiny_llama
+from support_servers import Served, clean_env, free_port, running, wait_ready
 
 from atom_anyio import kernels
 from atom_anyio.config import Config

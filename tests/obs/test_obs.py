@@ -21,7 +21,7 @@ import anyio
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from support import free_port, serving_app, wait_healthy, wait_until
+from support_servers import free_port, serving_app, wait_healthy, wait_until
 
 from atom_anyio.api.app import AtomApp
 from atom_anyio.cli import main as cli_main

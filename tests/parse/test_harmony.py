@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from support import scripted, serving_app
+from support_fakes import scripted
+from support_servers import serving_app
 
 from atom_anyio.models.gguf_file import load_gguf_tokenizer
 from atom_anyio.models.loader import load_model

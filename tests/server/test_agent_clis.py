@@ -6,7 +6,7 @@ and 9.3k tokens, and SmolLM2 as it is (8k, the defaults) for opencode (7.7k) and
 SmolLM2-135M never ends its reply to Claude Code's prompt (greedy, it lists numbers or echoes the
 system prompt past 64, 256 and 512 tokens), and Claude Code treats a reply cut at ``max_tokens``
 three times in a row as an error. So Claude Code's server runs in this process with the sampler's
-choice scripted (the reply, then EOS; ``support.scripted``): the rendering, tokenizing, the prefill
+choice scripted (the reply, then EOS; ``support_fakes.scripted``): the rendering, tokenizing, the prefill
 of its 12.4k tokens on SmolLM2's weights, the prefix cache, the API and real hypercorn stay real.
 
 Each turn exits 0 with the model's reply on stdout; every request the CLI sent is answered 2xx
@@ -30,7 +30,8 @@ import httpx
 import pytest
 from agent_clis import AgentCli, agent_cli, install
 from structlog.testing import capture_logs
-from support import Served, clean_env, free_port, running, scripted, served_over_http, serving_app
+from support_fakes import scripted
+from support_servers import Served, clean_env, free_port, running, served_over_http, serving_app
 
 from atom_anyio.models.loader import load_model
 

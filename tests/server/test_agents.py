@@ -28,7 +28,7 @@ from agents import (
 )
 from openai.types.shared import Reasoning
 from pydantic import Field
-from support import served_over_http
+from support_servers import served_over_http
 
 from atom_anyio.api.app import AtomApp
 from atom_anyio.config import Config

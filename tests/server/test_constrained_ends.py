@@ -23,7 +23,7 @@ import jsonschema
 import openai
 import pydantic
 import pytest
-from support import served_over_http, serving_app
+from support_servers import served_over_http, serving_app
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 

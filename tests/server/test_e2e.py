@@ -12,7 +12,7 @@ from pathlib import Path
 import anyio
 import openai
 import pytest
-from support import Served, clean_env, free_port, running
+from support_servers import Served, clean_env, free_port, running
 
 API_KEY = "test-key"
 MAX_MODEL_LEN = 4096

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import clean_env, serving_app
+from support_servers import clean_env, serving_app
 
 from atom_anyio import LLM
 from atom_anyio.generation_defaults import from_generation_config, from_gguf_metadata

@@ -33,7 +33,7 @@ from schemathesis.specs.openapi.checks import (
     response_schema_conformance,
     status_code_conformance,
 )
-from support import Served, clean_env, free_port, running
+from support_servers import Served, clean_env, free_port, running
 
 from atom_anyio.api.openapi import POSTS, openapi_document
 

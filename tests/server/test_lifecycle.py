@@ -7,7 +7,8 @@ import json
 import anyio
 import httpx
 import pytest
-from support import FailingSampler, free_port, wait_healthy, wait_until
+from support_fakes import FailingSampler
+from support_servers import free_port, wait_healthy, wait_until
 
 from atom_anyio.api.app import AtomApp
 from atom_anyio.cli import serve

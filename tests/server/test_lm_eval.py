@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from support import Served, clean_env, free_port, running
+from support_servers import Served, clean_env, free_port, running
 
 MAX_MODEL_LEN = 2048
 WORDS = ["river", "stone", "bird", "cloud", "tree", "light", "water", "sand", "wind", "fire"]

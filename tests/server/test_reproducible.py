@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import anthropic
 import openai
 import pytest
-from support import Served, clean_env, free_port, running
+from support_servers import Served, clean_env, free_port, running
 
 STORY = [{"role": "user", "content": "Tell me a short story."}]
 COLORS = [{"role": "user", "content": "What is the most obvious color? Answer in one sentence."}]

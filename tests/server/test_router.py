@@ -17,7 +17,7 @@ import anyio
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from support import Served, clean_env, free_port, running, wait_ready, wait_until
+from support_servers import Served, clean_env, free_port, running, wait_ready, wait_until
 
 ROUTER = os.environ.get("VLLM_ROUTER") or shutil.which("vllm-router")
 pytestmark = [
@@ -102,7 +102,7 @@ async def test_an_overloaded_replicas_503_and_retry_after_pass_through(replica, 
         async def until(name: str) -> None:
             with anyio.fail_after(120):
                 while await gauge(name) < 1:
-                    await anyio.sleep(0.05)  # poll interval: the scrape is async, so not support.wait_until
+                    await anyio.sleep(0.05)  # poll interval: the scrape is async, so not support_servers.wait_until
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(occupy)

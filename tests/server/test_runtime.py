@@ -13,7 +13,7 @@ from pathlib import Path
 import anyio
 import pytest
 from structlog.testing import capture_logs
-from support import clean_env, free_port, running, serving_app
+from support_servers import clean_env, free_port, running, serving_app
 
 from atom_anyio.api.runtime import model_id
 from atom_anyio.cli import build_parser
