@@ -19,7 +19,6 @@ import contextlib
 import dataclasses
 import math
 import time
-from array import array
 from collections import deque
 from collections.abc import Sequence as Seq
 
@@ -30,6 +29,7 @@ from anyio.abc import TaskStatus
 from atom_anyio.engine.block_manager import BlockManager
 from atom_anyio.engine.detokenizer import IncrementalDetokenizer
 from atom_anyio.engine.engine_config import EngineConfig
+from atom_anyio.engine.in_flight import InFlight
 from atom_anyio.engine.kv_events import KVEventPublisher
 from atom_anyio.engine.output_processor import OutputProcessor, StepsFailing
 from atom_anyio.engine.request import EngineRequest
@@ -37,7 +37,7 @@ from atom_anyio.engine.scheduler import ScheduledBatch, Scheduler
 from atom_anyio.engine.sequence import Sequence, num_alive
 from atom_anyio.engine.speculative import Speculator
 from atom_anyio.engine.stats import EngineStats, SpecStats
-from atom_anyio.engine.step import InFlight, StepInput, StepOutput, build_step
+from atom_anyio.engine.step import StepInput, StepOutput, build_step
 from atom_anyio.engine.stream import DeltaStream
 from atom_anyio.engine.tp_workers import TensorParallelWorker
 from atom_anyio.engine.worker import Worker, kv_bytes_per_token, kv_pool_bytes
@@ -55,6 +55,7 @@ class Engine:
         self.cfg = cfg
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.config
+        self.vocab_size = loaded.config.vocab_size  # the logits' width: the grammar masks' too
         self.max_model_len = cfg.max_model_len or loaded.config.max_position_embeddings
         self.eos_token_ids = tuple(loaded.config.eos_token_ids) or tuple(
             t for t in [loaded.tokenizer.eos_token_id] if t is not None
@@ -255,9 +256,8 @@ class Engine:
         t0 = time.perf_counter()
         batch = self.scheduler.schedule() if self.scheduler.has_work else ScheduledBatch()
         if batch.seqs:
-            step = build_step(batch, self.eos_token_ids, in_flight[-1].sample_rows() if in_flight else {})
-            if self.depth > 1:  # copies: scheduling the next step grows these tables while this step runs
-                step.block_tables = [array("i", table) for table in step.block_tables]
+            prev_rows = in_flight[-1].sample_rows() if in_flight else {}
+            step = build_step(batch, self.eos_token_ids, self.vocab_size, prev_rows, copy_tables=self.depth > 1)
             in_flight.append(sent := InFlight(batch, step, time.perf_counter() - t0))
             sent.hold()
             await step_tx.send(step)  # the worker takes it as soon as the step before it ends

@@ -3,7 +3,8 @@
 ``Grammars`` is one per server. It compiles in the prepare step's worker thread (never on the
 event loop) through a small pool so that a compile can be given up on after ``timeout_s``;
 xgrammar's own cache, keyed by the schema text, makes a repeated schema free. The engine then
-runs one ``GrammarMatcher`` per sequence (see ``Worker`` for the masks).
+runs one ``GrammarMatcher`` per sequence: a step's masks are filled from it when the step is built
+(``fill_bitmask``), the worker applies them, and the output side advances it by each token appended.
 """
 
 from __future__ import annotations
@@ -253,22 +254,31 @@ def _unsupported(param: str, path: str, keyword: str, detail: str = "") -> Gramm
     )
 
 
-# in the worker thread, each step
+# each step: the masks filled when it is built (the loop's side), applied by the worker
 
 
-def apply_masks(logits: Any, matchers: Sequence[xgr.GrammarMatcher | None]) -> list[int]:
-    """Mask, in place, the tokens each constrained row's grammar forbids next; returns those rows.
-    Only rows with a matcher get a bitmask filled; the others are left untouched."""
-    rows = [i for i, m in enumerate(matchers) if m is not None]
-    if not rows:
-        return rows
-    bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])
-    for i in rows:
-        matchers[i].fill_next_token_bitmask(bitmask, i)
+def fill_bitmask(matchers: Sequence[Any], drafts: Sequence[Sequence[int]], vocab_size: int) -> tuple[list[int], Any]:
+    """The step's grammar masks as plain data: the constrained rows, and an int32 bitmask with a row
+    per sampled row (all allowed where unconstrained). ``matchers``: one per sample row (None where
+    unconstrained); ``drafts``: each one's draft tokens (or empty), whose positions each get the
+    grammar's state after the draft tokens before them. Reads the matchers and leaves them as they were."""
+    spans = [len(d) + 1 for d in drafts] if drafts else [1] * len(matchers)
+    bitmask = xgr.allocate_token_bitmask(sum(spans), vocab_size)
+    rows, row = [], 0
+    for j, (matcher, span) in enumerate(zip(matchers, spans, strict=True)):
+        if matcher is not None:
+            draft = drafts[j] if drafts else []
+            for i in range(span):
+                matcher.fill_next_token_bitmask(bitmask, row + i)
+                if i < len(draft):
+                    assert matcher.accept_token(draft[i]), "a draft token its grammar forbids was not trimmed"
+            if draft:
+                matcher.rollback(len(draft))
+            rows += range(row, row + span)
+        row += span
+    return rows, bitmask
+
+
+def apply_bitmask(logits: Any, bitmask: Any, rows: list[int]) -> None:
+    """Mask, in place, the tokens each of ``rows``' grammar forbids next (the worker's side)."""
     xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
-    return rows
-
-
-def accept_tokens(matchers: Sequence[xgr.GrammarMatcher | None], rows: list[int], token_ids: list[int]) -> list[int]:
-    """Advance each constrained row's grammar by its sampled token; returns the rows it rejected."""
-    return [i for i in rows if not matchers[i].accept_token(token_ids[i])]

@@ -4,7 +4,7 @@ back) and the repetition, frequency and presence penalties, all rows at once."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -19,7 +19,7 @@ class ProcessorInputs(Protocol):
     prompt_token_ids: Sequence[Sequence[int]]
     output_token_ids: Sequence[Sequence[int]]
     eos_token_ids: Sequence[int]
-    matchers: Sequence[Any] | None
+    masked_rows: Sequence[int]
 
 
 def process_logits(logits: torch.Tensor, inputs: ProcessorInputs) -> torch.Tensor:
@@ -27,10 +27,9 @@ def process_logits(logits: torch.Tensor, inputs: ProcessorInputs) -> torch.Tenso
     penalties. Returns ``logits`` itself when no row needs any of them, else a copy."""
     params = inputs.params
     # a grammar decides itself when its output may end: min_tokens does not hold back its end token
+    constrained = set(inputs.masked_rows)
     under_min = [
-        i
-        for i, p in enumerate(params)
-        if len(inputs.output_token_ids[i]) < p.min_tokens and not (inputs.matchers and inputs.matchers[i] is not None)
+        i for i, p in enumerate(params) if len(inputs.output_token_ids[i]) < p.min_tokens and i not in constrained
     ]
     has_bias = any(p.logit_bias for p in params)
     penalised = any(has_penalty(p) for p in params)

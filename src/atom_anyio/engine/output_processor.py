@@ -11,10 +11,11 @@ import anyio
 import structlog
 
 from atom_anyio.engine.block_manager import BlockManager
+from atom_anyio.engine.in_flight import InFlight
 from atom_anyio.engine.scheduler import ScheduledBatch, Scheduler
 from atom_anyio.engine.sequence import Sequence, Status
 from atom_anyio.engine.speculative import Speculator
-from atom_anyio.engine.step import InFlight, StepInput, StepOutput
+from atom_anyio.engine.step import StepInput, StepOutput
 from atom_anyio.engine.stream import Delta, Logprob
 
 log = structlog.get_logger("atom_anyio.engine")
@@ -72,26 +73,24 @@ class OutputProcessor:
                 self.block_manager.commit(seq)
             if seq.max_tokens == 0 and not seq.num_uncomputed_tokens:
                 self._end_prefill_only(seq)
-        rejected, closed = set(result.rejected), set(result.closed)
         drafts = step.draft_token_ids or [[]] * len(step.sample_rows)
         accepted = result.num_accepted or [0] * len(step.sample_rows)
         first = 0  # each sample row's first position in the result
-        for i, (row, draft, num_accepted) in enumerate(zip(step.sample_rows, drafts, accepted, strict=True)):
-            seq, tokens = batch.seqs[row], result.token_ids[first : first + num_accepted + 1]
+        for row, draft, num_accepted in zip(step.sample_rows, drafts, accepted, strict=True):
+            seq, end = batch.seqs[row], first + num_accepted + 1
             if draft and self.speculator is not None:
                 self.speculator.verified(seq, len(draft), num_accepted)
-            seq.num_closing_tokens += first in closed
-            if i in rejected:  # cannot happen while the mask is applied; never run past a broken grammar
-                self.retire(seq, f"token {tokens[-1]} violates the request's output grammar")
-            else:
-                self._append_tokens(seq, tokens, result.logprobs[first : first + num_accepted + 1], bool(draft))
+            if seq.status is Status.RUNNING:  # not aborted while its step ran
+                decided = decide(seq, result.token_ids[first:end], result.logprobs[first:end])
+                if isinstance(decided, str):  # cannot happen while the mask applies; never run past a broken grammar
+                    self.retire(seq, decided)
+                else:
+                    self._append_tokens(seq, *decided, bool(draft))
             first += len(draft) + 1
 
     def _append_tokens(self, seq: Sequence, tokens: list[int], lps: list, drafted: bool) -> None:
         """A step's tokens for ``seq`` (an accepted draft and the token after it), in one delta; the
         output ends at the first that finishes it. Accepted draft tokens' KV was computed in the step."""
-        if seq.status is not Status.RUNNING:  # aborted while its step ran
-            return
         delta = self._append_token(seq, tokens[0], lps[0])
         for token, lp in zip(tokens[1:], lps[1:], strict=True):
             if delta.finish_reason is not None:
@@ -105,12 +104,10 @@ class OutputProcessor:
         self._send(seq, delta)
 
     def _append_token(self, seq: Sequence, token: int, lp) -> Delta:
-        """Append one token: the reasoning budget, the stop checks; its delta."""
+        """Append one token (as ``decide`` chose it): the stop checks; its delta."""
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
             self._release_siblings(seq)
-        if seq.reasoning_budget is not None:
-            token, lp = _within_reasoning_budget(seq, token, lp)
         seq.token_ids.append(token)
         if seq.grammar_gate and seq.token_ids[-len(seq.grammar_gate) :] == list(seq.grammar_gate):
             seq.grammar_gate = ()  # the reasoning block closed: the grammar applies from the next token
@@ -219,9 +216,30 @@ def _is_terminated(seq: Sequence) -> bool:
     return seq.active_matcher is not None and seq.active_matcher.is_terminated()
 
 
+def decide(seq: Sequence, tokens: list[int], lps: list[Logprob | None]) -> tuple[list[int], list] | str:
+    """The one place a step's sampled tokens for ``seq`` become the tokens it appends: a reasoning
+    block past its budget takes its end tag, a constrained row winding down keeps room to close its
+    grammar (wind_down.py), and the grammar is advanced by each token. A token the model did not
+    choose has no logprob. Returns the tokens and logprobs, or why the grammar refused one (then
+    nothing is appended). A row with a draft (several tokens) has neither a budget nor a wind-down
+    (the speculator drafts for neither)."""
+    matcher = seq.active_matcher  # before the tokens: the end tag that closes a reasoning block is not the grammar's
+    if seq.reasoning_budget is not None:
+        token, lp = _within_reasoning_budget(seq, tokens[0], lps[0])
+        tokens, lps = [token], [lp]
+    elif (closing := seq.closing) is not None and (token := closing.replacement(matcher, tokens[0])) is not None:
+        tokens, lps = [token], [None]
+        seq.num_closing_tokens += 1
+    if matcher is not None:
+        for token in tokens:
+            if not matcher.accept_token(token):
+                return f"token {token} violates the request's output grammar"
+    return tokens, lps
+
+
 def _within_reasoning_budget(seq: Sequence, token: int, lp: Logprob | None) -> tuple[int, Logprob | None]:
     """The token to append: past the budget, the reasoning block's end tag instead of the sampled
-    one (no logprob: the model did not choose it). Clears the budget once the block has closed."""
+    one. Clears the budget once the block has closed."""
     budget = seq.reasoning_budget
     assert budget is not None
     end = budget.end_token_ids

@@ -5,16 +5,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
 
 import torch
 
 from atom_anyio.engine.logits_processors import column_tensor, long_tensor, process_logits
 from atom_anyio.engine.stream import Logprob
 from atom_anyio.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from atom_anyio.engine.wind_down import Closing
 
 _SEED_MASK = 0xFFFF_FFFF_FFFF
 MIN_LOGPROB = -9999.0
@@ -30,12 +26,11 @@ class SamplingInputs:
     output_token_ids: list[list[int]]  # generated so far; its length is the seeded row's step
     seeds: list[int | None]
     eos_token_ids: tuple[int, ...]
-    # the row's xgrammar GrammarMatcher where its output is constrained now (the worker masks the
-    # logits with it and advances it); empty or None: unconstrained
-    matchers: list[Any | None] = field(default_factory=list)
-    # where the row is constrained and near its max_tokens, how it keeps room to close its grammar
-    # (wind_down.py); empty or None: nowhere
-    closings: list[Closing | None] = field(default_factory=list)
+    # the rows whose output a grammar constrains now, and each one's allowed next tokens: row j of
+    # ``bitmask`` (xgrammar's packed int32 bitmask, on the host) is the j-th of ``masked_rows``'s
+    # grammar state, filled when the step was built (grammar.fill_bitmask)
+    masked_rows: list[int] = field(default_factory=list)
+    bitmask: torch.Tensor | None = None
 
 
 @dataclass
@@ -43,13 +38,6 @@ class SamplerOutput:
     token_ids: list[int]
     logprobs: list[Logprob | None]  # None where params.logprobs is None
     ids: torch.Tensor | None = None  # token_ids on the device (async scheduling feeds them to the next step)
-
-    def replace(self, row: int, token_id: int) -> None:
-        """Row ``row``'s token is ``token_id``, not the sampled one (no logprob: the model did not choose it)."""
-        self.token_ids[row] = token_id
-        self.logprobs[row] = None
-        if self.ids is not None:
-            self.ids[row] = token_id
 
 
 class Sampler:

@@ -142,8 +142,8 @@ class Sequence:
 
     @property
     def closing(self) -> Closing | None:
-        """Within ``WIND_DOWN_TOKENS`` of its max_tokens with its grammar applying: the room the worker
-        keeps to close the grammar; None before, and without a grammar."""
+        """Within ``WIND_DOWN_TOKENS`` of its max_tokens with its grammar applying: the room the output
+        side keeps to close the grammar (``output_processor.decide``); None before, and without a grammar."""
         num_left = self.max_tokens - self.num_output_tokens
         if self.active_matcher is None or num_left > WIND_DOWN_TOKENS:
             return None

@@ -19,7 +19,6 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import xgrammar as xgr
 
 from atom_anyio.engine.proposers import SuffixStore, ngram_draft, suffix_draft
 from atom_anyio.engine.wind_down import WIND_DOWN_TOKENS
@@ -189,36 +188,10 @@ def draft_positions(last_rows: list[int], drafts: list[list[int]]) -> list[int]:
     return [r for last, draft in zip(last_rows, drafts, strict=True) for r in range(last - len(draft), last + 1)]
 
 
-def apply_draft_masks(logits: Any, matchers: list[Any], drafts: list[list[int]]) -> list[int]:
-    """Mask, in place, each constrained position with its grammar's state after the draft tokens
-    before it (``matchers``: one per position); returns the masked rows. The matchers end as they began."""
-    rows = [i for i, m in enumerate(matchers) if m is not None]
-    if not rows:
-        return rows
-    bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])
-    row = 0
+def verify(drafts: list[list[int]], token_ids: list[int]) -> list[int]:
+    """Each draft's accepted length, from the tokens sampled at its positions (``token_ids``: one per position)."""
+    accepted, row = [], 0
     for draft in drafts:
-        if (matcher := matchers[row]) is not None:
-            for i in range(len(draft) + 1):
-                matcher.fill_next_token_bitmask(bitmask, row + i)
-                if i < len(draft):
-                    assert matcher.accept_token(draft[i]), "a draft token its grammar forbids was not trimmed"
-            if draft:
-                matcher.rollback(len(draft))
+        accepted.append(num_accepted(draft, token_ids[row : row + len(draft) + 1]))
         row += len(draft) + 1
-    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
-    return rows
-
-
-def verify(drafts: list[list[int]], token_ids: list[int], matchers: list[Any]) -> tuple[list[int], list[int]]:
-    """Each draft's accepted length, and the sequences (by sample row) whose grammar refused a
-    token to append (cannot happen while the masks apply); advances each matcher by its tokens."""
-    accepted, rejected, row = [], [], 0
-    for j, draft in enumerate(drafts):
-        a = num_accepted(draft, token_ids[row : row + len(draft) + 1])
-        accepted.append(a)
-        matcher = matchers[row] if matchers else None
-        if matcher is not None and not all(matcher.accept_token(t) for t in token_ids[row : row + a + 1]):
-            rejected.append(j)
-        row += len(draft) + 1
-    return accepted, rejected
+    return accepted

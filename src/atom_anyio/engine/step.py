@@ -1,13 +1,16 @@
-"""A model step as the worker sees it: plain lists out (``StepInput``), sampled tokens back
-(``StepOutput``), built from a scheduled batch by ``build_step``. Nothing here outlives the step
-or is read by the worker as a ``Sequence``."""
+"""A model step as the worker sees it: plain, picklable data out (``StepInput``: rows, positions,
+block tables, sampling parameters and the grammar masks), sampled tokens back (``StepOutput``),
+built whole from a scheduled batch by ``build_step``, which reads the sequences and changes none
+of them. Nothing here outlives the step or is read by the worker as a ``Sequence``; what a sampled
+token becomes (the wind-down, the reasoning budget, the grammar advanced) is the output side's
+decision (``OutputProcessor.decide``)."""
 
 from __future__ import annotations
 
-import time
 from array import array
 from dataclasses import dataclass, field
 
+from atom_anyio.engine.grammar import fill_bitmask
 from atom_anyio.engine.sampler import SamplingInputs
 from atom_anyio.engine.scheduler import ScheduledBatch
 from atom_anyio.engine.sequence import Sequence
@@ -51,17 +54,20 @@ class StepOutput:
     logprobs: list[Logprob | None] = field(default_factory=list)
     num_accepted: list[int] = field(default_factory=list)  # with drafts: each sample row's accepted draft tokens
     error: str | None = None
-    rejected: list[int] = field(default_factory=list)  # sample rows whose token their grammar refused
-    # positions (without drafts, sample rows) whose token the wind-down chose; such a row has no draft
-    closed: list[int] = field(default_factory=list)
     prompt_logprobs: list[list[Logprob]] = field(default_factory=list)  # one list per StepInput.prompt_rows entry
     timings: dict[str, float] = field(default_factory=dict)
 
 
 def build_step(
-    batch: ScheduledBatch, eos_token_ids: tuple[int, ...], prev_rows: dict[int, int] | None = None
+    batch: ScheduledBatch,
+    eos_token_ids: tuple[int, ...],
+    vocab_size: int,
+    prev_rows: dict[int, int] | None = None,
+    copy_tables: bool = False,
 ) -> StepInput:
-    """``prev_rows`` (async scheduling): the step in flight's sample row of each sequence it samples."""
+    """``prev_rows`` (async scheduling): the step in flight's sample row of each sequence it samples;
+    ``copy_tables``: the step holds copies of the block tables (scheduling the next step grows them
+    while this one runs)."""
     input_ids: list[int] = []
     positions: list[int] = []
     sample_rows: list[int] = []
@@ -83,8 +89,6 @@ def build_step(
             input_ids.append(PLACEHOLDER_TOKEN)
         positions += range(start, start + n)
         context_lens.append(start + n)
-        if seq.first_scheduled_time is None:
-            seq.first_scheduled_time = time.monotonic()
         if start + n - len(draft) == len(seq) + seq.num_placeholders and seq.max_tokens > 0:
             sample_rows.append(row)
             sampled.append(seq)
@@ -94,11 +98,11 @@ def build_step(
     return StepInput(
         input_ids=input_ids,
         positions=positions,
-        block_tables=[s.block_table for s in batch.seqs],
+        block_tables=[array("i", s.block_table) if copy_tables else s.block_table for s in batch.seqs],
         context_lens=context_lens,
         query_lens=batch.num_tokens,
         sample_rows=sample_rows,
-        sampling=_sampling_inputs(sampled, drafts, eos_token_ids),
+        sampling=_sampling_inputs(sampled, drafts, eos_token_ids, vocab_size),
         prompt_rows=prompt_rows,
         prev_tokens=prev_tokens,
         draft_token_ids=drafts,
@@ -106,23 +110,25 @@ def build_step(
 
 
 def _sampling_inputs(
-    sampled: list[Sequence], drafts: list[list[int]], eos_token_ids: tuple[int, ...]
+    sampled: list[Sequence], drafts: list[list[int]], eos_token_ids: tuple[int, ...], vocab_size: int
 ) -> SamplingInputs:
     """One row per sampling sequence; with drafts, one per position, each seeing the draft tokens
-    before it as generated (its seed's step, ``min_tokens``, penalties: as a plain decode there)."""
+    before it as generated (its seed's step, ``min_tokens``, penalties, the grammar: as a plain
+    decode there)."""
     spans = [len(d) + 1 for d in drafts] if drafts else [1] * len(sampled)
     rows = [(j, s, i) for j, (s, span) in enumerate(zip(sampled, spans, strict=True)) for i in range(span)]
     penalised = any(s.params.repetition_penalty != 1.0 for s in sampled)
-    matchers = [s.active_matcher for _, s, _ in rows] if any(s.matcher is not None for s in sampled) else []
-    closings = [s.closing for _, s, _ in rows] if matchers else []
+    masked_rows, bitmask = [], None
+    if any(s.active_matcher is not None for s in sampled):
+        masked_rows, bitmask = fill_bitmask([s.active_matcher for s in sampled], drafts, vocab_size)
     return SamplingInputs(
         params=[s.params for _, s, _ in rows],
         prompt_token_ids=[s.prompt_token_ids if penalised else [] for _, s, _ in rows],
         output_token_ids=[_output_token_ids(s) + drafts[j][:i] if i else _output_token_ids(s) for j, s, i in rows],
         seeds=[s.seed for _, s, _ in rows],
         eos_token_ids=eos_token_ids,
-        matchers=matchers,
-        closings=closings if any(closings) else [],
+        masked_rows=masked_rows,
+        bitmask=bitmask,
     )
 
 
@@ -143,33 +149,3 @@ def _prompt_rows(seq: Sequence, row: int, flat_start: int, start: int, n: int) -
         return None
     targets = seq.token_ids[first + 1 : end + 1]
     return PromptRows(row, flat_start + first - start, targets, seq.num_prompt_logprobs)
-
-
-@dataclass
-class InFlight:
-    """A step sent to the worker whose result is not yet processed. Until it is, its sequences count
-    its tokens as scheduled and each token it samples as a placeholder: the scheduler plans past them
-    (async scheduling), and nothing preempts them or frees their blocks."""
-
-    batch: ScheduledBatch
-    step: StepInput
-    schedule_s: float
-    failed: bool = False  # its sequences failed with the step before it: its result is dropped
-
-    def hold(self) -> None:
-        """It is sent: its tokens are scheduled, and its sampled tokens pending."""
-        self._count(1)
-
-    def settle(self) -> None:
-        """Its result is back (or the loop ended): ``hold`` undone."""
-        self._count(-1)
-
-    def _count(self, sign: int) -> None:
-        for seq, n in zip(self.batch.seqs, self.batch.num_tokens, strict=True):
-            seq.num_scheduled_tokens += sign * n
-        for row in self.step.sample_rows:
-            self.batch.seqs[row].num_placeholders += sign
-
-    def sample_rows(self) -> dict[int, int]:
-        """Each sampling sequence's sample row in this step, by ``seq_id``."""
-        return {self.batch.seqs[row].seq_id: j for j, row in enumerate(self.step.sample_rows)}

@@ -102,13 +102,3 @@ class Closing:
             return True
         after = self.closer.closing(fork)
         return after is not None and len(after) < self.num_tokens_left
-
-
-def wind_down(closings: list[Closing | None], matchers: list[Any], token_ids: list[int]) -> dict[int, int]:
-    """The rows (with a ``Closing``) whose sampled token in ``token_ids`` leaves too few tokens to
-    close their grammar, each with the token to take instead. The matchers are not changed."""
-    replaced = {}
-    for i, closing in enumerate(closings):
-        if closing is not None and (token := closing.replacement(matchers[i], token_ids[i])) is not None:
-            replaced[i] = token
-    return replaced

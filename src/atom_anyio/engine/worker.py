@@ -1,7 +1,7 @@
 """One device: the model, its KV pool and the sampler.
 
-The engine loop sends plain ``StepInput`` objects over an anyio memory
-channel and receives ``StepOutput`` back; the steps run on one thread of
+The engine loop sends plain ``StepInput`` objects (picklable: the grammar masks
+as a bitmask) over an anyio memory channel and receives ``StepOutput`` back; the steps run on one thread of
 their own (through the worker's limiter) so the event loop never waits on
 the device. Nothing here refers to sequences, so the worker could
 move into its own process without the loop changing.
@@ -21,12 +21,11 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from atom_anyio import kernels
 from atom_anyio.engine.cuda_graphs import DecodeGraphs
 from atom_anyio.engine.engine_config import EngineConfig
-from atom_anyio.engine.grammar import accept_tokens, apply_masks
+from atom_anyio.engine.grammar import apply_bitmask
 from atom_anyio.engine.sampler import INVALID_TOKEN, MIN_LOGPROB, Sampler
-from atom_anyio.engine.speculative import apply_draft_masks, draft_positions, verify
+from atom_anyio.engine.speculative import draft_positions, verify
 from atom_anyio.engine.step import PromptRows, StepInput, StepOutput
 from atom_anyio.engine.stream import Logprob
-from atom_anyio.engine.wind_down import wind_down
 from atom_anyio.models.attention import AttentionMetadata, stage
 from atom_anyio.models.decoder import LlamaForCausalLM
 from atom_anyio.models.ops import CpuOps, use_amx_linears
@@ -140,35 +139,18 @@ class Worker:
         # with the sampled ids (the step's one host sync), before the grammar masks add their -inf
         finite = torch.isfinite(logits.amax(dim=-1))
         t1 = time.perf_counter()
-        matchers, drafts = step.sampling.matchers, step.draft_token_ids
-        rows: list[int] = []
-        if matchers:
-            rows = apply_draft_masks(logits, matchers, drafts) if drafts else apply_masks(logits, matchers)
+        if step.sampling.masked_rows:
+            apply_bitmask(logits, step.sampling.bitmask, step.sampling.masked_rows)
         out = self.sampler(logits, step.sampling, finite)
         if INVALID_TOKEN in out.token_ids:
             raise FloatingPointError("non-finite logits")
-        closed = []
-        if step.sampling.closings:
-            for row, token in wind_down(step.sampling.closings, step.sampling.matchers, out.token_ids).items():
-                out.replace(row, token)
-                closed.append(row)
-        num_accepted: list[int] = []
-        if drafts:
-            num_accepted, rejected = verify(drafts, out.token_ids, matchers)
-        else:
-            rejected = accept_tokens(matchers, rows, out.token_ids) if rows else []
+        num_accepted = verify(step.draft_token_ids, out.token_ids) if step.draft_token_ids else []
+        # async scheduling feeds these to the next step: a row whose token the output side may
+        # change (a grammar's, a reasoning budget's) never runs ahead, so none is read changed
         self.sampled = out.ids if out.ids is not None else torch.tensor(out.token_ids, device=self.device)
         t2 = time.perf_counter()
         timings = {"forward": t1 - t0, "sample": t2 - t1}
-        return StepOutput(
-            out.token_ids,
-            out.logprobs,
-            num_accepted,
-            rejected=rejected,
-            closed=closed,
-            timings=timings,
-            prompt_logprobs=prompt_logprobs,
-        )
+        return StepOutput(out.token_ids, out.logprobs, num_accepted, timings=timings, prompt_logprobs=prompt_logprobs)
 
     def forward(self, step: StepInput) -> tuple[torch.Tensor, list[list[Logprob]]]:
         """float32 logits of the step's sample rows, and the logprobs its prompt rows asked for."""
