@@ -20,6 +20,7 @@ from atom_anyio.engine.engine_config import EngineConfig
 from atom_anyio.models.attention import BACKENDS
 from atom_anyio.models.loader import DTYPES, GGUF_WEIGHTS
 from atom_anyio.parse import ParserSpec
+from atom_anyio.prompt.prepare import CONTEXT_OVERFLOW_POLICIES
 from atom_anyio.settings import ConfigError, parse_setting, setting, setting_name, settings_of
 
 log = structlog.get_logger("atom_anyio.config")
@@ -27,7 +28,6 @@ log = structlog.get_logger("atom_anyio.config")
 LOG_FORMATS = ("json", "console", "auto")
 # read where they are used: the loader's conversion cache; the CPU kind the kernels are built for (process-wide)
 NOT_SETTINGS = ("ATOM_CACHE_DIR", "ATOM_KERNEL_ISA")
-CONTEXT_OVERFLOW = ("error", "drop_oldest")
 MAX_TOKENS_PAST_CONTEXT = ("clamp", "error")
 
 
@@ -91,7 +91,7 @@ class Config:
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
-        _one_of("context_overflow", self.context_overflow, CONTEXT_OVERFLOW)
+        _one_of("context_overflow", self.context_overflow, CONTEXT_OVERFLOW_POLICIES)
         _one_of("max_tokens_past_context", self.max_tokens_past_context, MAX_TOKENS_PAST_CONTEXT)
         _one_of("attention_backend", self.attention_backend, BACKENDS)
         _one_of("dtype", self.dtype, DTYPES)
