@@ -18,7 +18,7 @@ import structlog
 from atom_anyio import kernels
 from atom_anyio.engine.engine_config import EngineConfig
 from atom_anyio.models.attention import BACKENDS
-from atom_anyio.models.loader import DTYPES, GGUF_WEIGHTS
+from atom_anyio.models.plan import DTYPES, GGUF_WEIGHTS
 from atom_anyio.parse import ParserSpec
 from atom_anyio.prompt.prepare import CONTEXT_OVERFLOW_POLICIES
 from atom_anyio.settings import ConfigError, parse_setting, setting, setting_name, settings_of

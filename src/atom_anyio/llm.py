@@ -16,7 +16,8 @@ from atom_anyio.config import env_setting
 from atom_anyio.engine.core import Engine
 from atom_anyio.engine.engine_config import EngineConfig
 from atom_anyio.engine.stream import Delta, Logprob, collect
-from atom_anyio.models.loader import LoadedModel, load_model
+from atom_anyio.models.loader import LoadedModel, load_planned
+from atom_anyio.models.plan import plan_model
 from atom_anyio.obs.logging import log_to_stderr_by_default
 from atom_anyio.prompt.prepare import PrepareContext, PromptRequest, prepare_prompt
 from atom_anyio.sampling_params import SamplingParams
@@ -65,24 +66,29 @@ class LLM:
         **engine_kwargs: Any,
     ):
         log_to_stderr_by_default()
+        if isinstance(model, LoadedModel) and (plan := model.plan) is not None:
+            # the kernel switches it was loaded with, unless given (the Engine refuses a disagreement)
+            engine_kwargs = {"cpu_native_kernels": plan.native_kernels, "cpu_amx": plan.amx, **engine_kwargs}
+        cfg = EngineConfig(**engine_kwargs, tensor_parallel_size=tensor_parallel_size)
         if isinstance(model, LoadedModel):
             self.loaded = model
         else:
-            backend = attention_backend or env_setting("attention_backend")  # ATOM_ATTENTION_BACKEND
-            gguf_weights = gguf_weights or env_setting("gguf_weights") or "auto"  # ATOM_GGUF_WEIGHTS
             if batch_invariant is None:  # ATOM_BATCH_INVARIANT; unset: auto (batch_invariant_auto_reason)
                 batch_invariant = env_setting("batch_invariant")
-            self.loaded = load_model(
+            plan = plan_model(
                 model,
                 dtype,
                 device,
-                backend,
+                attention_backend or env_setting("attention_backend"),  # ATOM_ATTENTION_BACKEND
                 tensor_parallel_size,
-                gguf_weights=gguf_weights,
-                batch_invariant=batch_invariant,
-                hf_overrides=hf_overrides if hf_overrides is not None else env_setting("hf_overrides"),
+                gguf_weights or env_setting("gguf_weights") or "auto",  # ATOM_GGUF_WEIGHTS
+                batch_invariant,
+                hf_overrides if hf_overrides is not None else env_setting("hf_overrides"),
+                cfg.cpu_native_kernels,
+                cfg.cpu_amx,
             )
-        self.engine = Engine(self.loaded, EngineConfig(**engine_kwargs, tensor_parallel_size=tensor_parallel_size))
+            self.loaded = load_planned(plan)
+        self.engine = Engine(self.loaded, cfg)
         self.tokenizer = self.loaded.tokenizer
         self.prepare_ctx = PrepareContext.for_engine(
             self.engine, self.tokenizer, chat_template=self.loaded.chat_template

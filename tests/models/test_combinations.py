@@ -15,7 +15,7 @@ from support_servers import serving_app
 
 from atom_anyio import LLM, SamplingParams, kernels
 from atom_anyio.models.loader import load_model
-from atom_anyio.models.ops import CpuOps, can_pack_bf16, pack_bf16_linears, use_amx_linears
+from atom_anyio.models.ops import CpuOps, can_pack_bf16, pack_bf16_linears
 
 Q = gguf.GGMLQuantizationType
 LONG_PROMPT = [258 + (i * 7) % 4 for i in range(40)] + [(i * 37) % 250 + 5 for i in range(260)]  # 300 tokens
@@ -114,13 +114,13 @@ AMX_LINEAR = "linear_amx_bf16"
 @pytest.mark.parametrize("rows", [1, 3, 5, 16, 100])
 def test_packed_bfloat16_linears_give_the_plain_gemms_result(tiny_q4_1, rows, amx):
     """Each layout the packed linears take: oneDNN's gives F.linear's bits; the AMX GEMM's is within
-    a bfloat16 rounding of them. Converting the model from one layout to the other (as cpu_amx does
-    at start) and back keeps the weights."""
-    model = load_model(str(tiny_q4_1), "bfloat16", attention_backend="cpu", gguf_weights="both").model
+    a bfloat16 rounding of them. Loaded in the other layout (the other cpu_amx), converting the
+    model to this one keeps the weights."""
+    loaded_as = {"amx": not amx} if kernels.has_amx_linears() else {}
+    model = load_model(str(tiny_q4_1), "bfloat16", attention_backend="cpu", gguf_weights="both", **loaded_as).model
     quantized = model.model.layers[0].mlp.gate_up_proj
     weight = quantized.weight.dequantize()
-    use_amx_linears(model, not amx)
-    use_amx_linears(model, amx)
+    pack_bf16_linears(model, amx)
     float_layer = torch.nn.Linear(256, 96, bias=True).bfloat16()
     pack_bf16_linears(float_layer, amx)
     packed = "amx_weight" if amx else "packed_weight"
@@ -169,20 +169,19 @@ def tiny_head_dim_64(tmp_path_factory, smollm2_path):
 def test_a_variant_auto_picks_elsewhere_can_be_forced_and_answers_alike(tiny_q4_1, tiny_head_dim_64, setting):
     """Turning a setting off runs what another CPU kind gets, on any CPU, and it answers alike.
     The AMX kernel takes head_dim 64 (prefill chunks and decodes, under auto's backend)."""
-    toggle = {"cpu_native_kernels": kernels.use_native_kernels, "cpu_amx": kernels.use_amx_kernels}[setting]
     dtype, gguf_weights = CPU_COMBINATIONS["bfloat16+packed"]
     model, backend = (tiny_q4_1, "cpu_paged") if setting == "cpu_native_kernels" else (tiny_head_dim_64, "auto")
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
     outputs = {}
-    try:
-        for on in (True, False):
-            loaded = load_model(str(model), dtype, attention_backend=backend, gguf_weights=gguf_weights)
-            llm = LLM(loaded, num_kv_blocks=64, **{setting: on})
-            assert toggle(on) == on  # what the engine set
-            if setting == "cpu_amx":  # the linears too: the tiles' layout, or oneDNN's as without AMX
-                layers = [m for m in llm.engine.worker.model.modules() if hasattr(m, "amx_weight")]
-                assert layers and all((m.amx_weight is not None) == on for m in layers)
-            outputs[on] = [o.outputs[0] for o in llm.generate([LONG_PROMPT, LONG_PROMPT[:37]], params)]
-    finally:
-        toggle(True)
+    for on in (True, False):
+        llm = LLM(
+            str(model), dtype, attention_backend=backend, gguf_weights=gguf_weights, num_kv_blocks=64, **{setting: on}
+        )
+        attention = llm.engine.worker.model.attention_backend
+        assert (attention.native, attention.amx) == (llm.loaded.plan.native_kernels, llm.loaded.plan.amx)
+        assert getattr(llm.loaded.plan, {"cpu_native_kernels": "native_kernels", "cpu_amx": "amx"}[setting]) == on
+        if setting == "cpu_amx":  # the linears too: the tiles' layout, or oneDNN's as without AMX
+            layers = [m for m in llm.engine.worker.model.modules() if hasattr(m, "amx_weight")]
+            assert layers and all((m.amx_weight is not None) == on for m in layers)
+        outputs[on] = [o.outputs[0] for o in llm.generate([LONG_PROMPT, LONG_PROMPT[:37]], params)]
     assert_greedy_close(outputs[False], outputs[True])

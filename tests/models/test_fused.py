@@ -18,7 +18,7 @@ from atom_anyio.models.attention import AttentionMetadata, CpuPagedAttention, To
 from atom_anyio.models.decoder import FULL, SLIDING, LlamaForCausalLM, ModelConfig
 from atom_anyio.models.loader import load_model
 from atom_anyio.models.moe import MoeConfig
-from atom_anyio.models.ops import can_pack_bf16, pack_bf16_linears, use_amx_linears
+from atom_anyio.models.ops import can_pack_bf16, pack_bf16_linears
 from atom_anyio.models.quant import QuantizedWeight
 
 Q = gguf.GGMLQuantizationType
@@ -138,7 +138,8 @@ def test_fused_step_equals_the_op_by_op_path_in_bfloat16_on_the_amx_tiles(varian
     passes it (batch invariance on or off)."""
     model = random_model(**VARIANTS[variant]).to(torch.bfloat16)
     pack_bf16_linears(model, amx=True)
-    model.attention_backend.use_auto_batch_invariant(invariant)
+    if invariant:
+        model.attention_backend.use_auto_batch_invariant()
     assert_same(model, step)
 
 
@@ -223,8 +224,8 @@ def test_fused_step_equals_the_op_by_op_path_for_a_gguf_at_the_defaults_on_onedn
     """The default model's layout where auto picks bfloat16 without AMX (Zen 4, Zen 5; cpu_amx=false
     forces it on AMX): 1-4 rows through the GEMV over the GGUF blocks, rounded back to bfloat16,
     more through oneDNN's packed dense copy."""
-    model = load_model(tiny_ggufs[qtype], dtype="bfloat16", attention_backend="cpu", gguf_weights="both").model
-    use_amx_linears(model, False)
+    model = load_model(tiny_ggufs[qtype], dtype="bfloat16", attention_backend="cpu", gguf_weights="both", amx=False)
+    model = model.model
     down = model.model.layers[0].mlp.down_proj
     assert isinstance(down.weight, QuantizedWeight) and down.packed_weight is not None
     assert_same(model, step)
@@ -234,10 +235,10 @@ def test_fused_step_equals_the_op_by_op_path_for_a_gguf_at_the_defaults_on_onedn
 def test_a_gguf_without_dense_copies_in_bfloat16_on_onednn_runs_op_by_op(tiny_ggufs):
     """gguf_weights=packed without the AMX GEMM: the layers' batched rows take bfloat16 slices
     dequantized each step, which the fused decoder does not run; it says so."""
-    model = load_model(tiny_ggufs[Q.Q4_1], dtype="bfloat16", attention_backend="cpu", gguf_weights="packed").model
-    use_amx_linears(model, False)
-    decoder, why = fused.build(model)
+    loaded = load_model(tiny_ggufs[Q.Q4_1], dtype="bfloat16", attention_backend="cpu", gguf_weights="packed", amx=False)
+    decoder, why = fused.build(loaded.model)
     assert decoder is None and "not packed for oneDNN or the AMX GEMM (layer 0)" in why
+    assert not loaded.plan.fused_decoder and loaded.plan.fused_decoder_why == why
 
 
 @needs_amx_linears
@@ -252,14 +253,16 @@ def test_fused_step_equals_the_op_by_op_path_for_a_gguf_at_the_defaults_on_amx(t
 
 @needs_amx_linears
 def test_served_greedy_tokens_equal_the_op_by_op_engines_in_bfloat16(tiny_ggufs):
-    """End to end at what auto picks on an AMX CPU; an engine turning cpu_amx off on the same model
-    gets a decoder built over oneDNN's packed weights, not the one over the tiles, and its greedy
-    tokens are its own op-by-op path's."""
+    """End to end at what auto picks on an AMX CPU, and with cpu_amx off (a decoder built over
+    oneDNN's packed weights, not over the tiles): the greedy tokens are each one's op-by-op path's."""
     prompts = [[258, 72, 101, 108], [259, 97, 98, 99, 100, 101, 102, 103, 104, 105, 106], [260, 7]]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    loaded = load_model(tiny_ggufs[Q.Q4_1], dtype="bfloat16", attention_backend="cpu", gguf_weights="both")
-    outputs = {}
-    try:
+    for amx in (True, False):
+        loaded = load_model(tiny_ggufs[Q.Q4_1], dtype="bfloat16", attention_backend="cpu", gguf_weights="both", amx=amx)
+        assert loaded.plan.fused_decoder and loaded.plan.amx_linears == amx
+        down = loaded.model.model.layers[0].mlp.down_proj
+        assert (down.amx_weight is not None, down.packed_weight is not None) == (amx, not amx)
+        outputs = {}
         for use_fused in (True, False):
             llm = LLM(loaded, num_kv_blocks=64)
             loaded.model.use_fused = use_fused
@@ -267,18 +270,3 @@ def test_served_greedy_tokens_equal_the_op_by_op_engines_in_bfloat16(tiny_ggufs)
             assert (loaded.model.fused_decoder() is not None) == use_fused
             del llm
         assert outputs[True] == outputs[False]
-        loaded.model.use_fused = True
-        on_tiles = loaded.model.fused_decoder()
-        onednn = {}
-        for use_fused in (True, False):
-            llm = LLM(loaded, num_kv_blocks=64, cpu_amx=False)
-            loaded.model.use_fused = use_fused
-            onednn[use_fused] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-            decoder = loaded.model.fused_decoder()
-            assert (decoder is not None) == use_fused and decoder is not on_tiles
-            del llm
-        assert onednn[True] == onednn[False]
-        assert loaded.model.model.layers[0].mlp.down_proj.packed_weight is not None
-    finally:
-        kernels.use_native_kernels(True)
-        kernels.use_amx_kernels(True)

@@ -17,6 +17,8 @@ from support_models import CPU_COMBINATIONS, random_hf_model
 from atom_anyio import LLM, SamplingParams, kernels
 from atom_anyio.cli import build_parser
 from atom_anyio.config import Config
+from atom_anyio.engine.core import Engine
+from atom_anyio.engine.engine_config import EngineConfig
 from atom_anyio.models import quant
 from atom_anyio.models.attention import AttentionMetadata
 from atom_anyio.models.attention.cpu import INVARIANT_PARTITION
@@ -87,17 +89,39 @@ assert INVARIANT_PARTITION % PARTITION == 0
 
 
 def attention(
-    q, k_cache, v_cache, contexts: list[int], queries: list[int], tables: list[list[int]], block_size: int, window: int
+    q,
+    k_cache,
+    v_cache,
+    contexts: list[int],
+    queries: list[int],
+    tables: list[list[int]],
+    block_size: int,
+    window: int,
+    variant: str,
 ):
     """The kernel's batch-invariant output for one step: sequence ``i`` has ``contexts[i]`` keys in
-    the cache, the last ``queries[i]`` of them queried now (``q``'s rows, sequence after sequence)."""
+    the cache, the last ``queries[i]`` of them queried now (``q``'s rows, sequence after sequence),
+    on ``variant`` (``KERNEL_VARIANTS``)."""
     meta = AttentionMetadata.build(tables, contexts, queries, block_size, torch.device("cpu"))
     out = torch.empty_like(q)
     partition = math.lcm(PARTITION, block_size)
     scale = 1.0 / math.sqrt(q.shape[-1])
     tables_, lens, starts = meta.block_tables, meta.seq_lens, meta.query_start_loc
     torch.ops.atom.paged_attention(
-        out, q, k_cache, v_cache, tables_, lens, starts, block_size, scale, window, None, partition
+        out,
+        q,
+        k_cache,
+        v_cache,
+        tables_,
+        lens,
+        starts,
+        block_size,
+        scale,
+        window,
+        None,
+        partition,
+        variant != "portable",
+        variant == "amx",
     )
     return out
 
@@ -135,25 +159,19 @@ def test_the_kernel_gives_a_query_the_same_bits_alone_in_a_batch_or_in_a_chunk(d
     k_cache = torch.randn(72 * bs, kv_heads, dim).to(dtype)
     v_cache = torch.randn(72 * bs, kv_heads, dim).to(dtype)
     q_long, q_short = torch.randn(1100, heads, dim).to(dtype), torch.randn(1, heads, dim).to(dtype)
-    native = kernels.use_native_kernels(variant != "portable")
-    amx = kernels.use_amx_kernels(variant == "amx")
-    try:
-        positions = [0, 15, 511, 512, 700, 1099]
-        alone = {}
-        for p in positions:  # decodes lead a step
-            step = torch.cat((q_long[p : p + 1], q_short))
-            alone[p] = attention(step, k_cache, v_cache, [p + 1, 37], [1, 1], tables, bs, window)[0]
-        for chunk in (1100, 300, 64, 37, 7):  # odd sizes: boundaries off the blocks' and tiles' edges
-            for begin in range(0, 1100, chunk):
-                end = min(1100, begin + chunk)
-                q = torch.cat((q_short, q_long[begin:end]))
-                out = attention(q, k_cache, v_cache, [37, end], [1, end - begin], tables[::-1], bs, window)[1:]
-                for p in positions:
-                    if begin <= p < end:
-                        assert torch.equal(out[p - begin], alone[p]), f"position {p} in the chunk [{begin}, {end})"
-    finally:
-        kernels.use_native_kernels(native)
-        kernels.use_amx_kernels(amx)
+    positions = [0, 15, 511, 512, 700, 1099]
+    alone = {}
+    for p in positions:  # decodes lead a step
+        step = torch.cat((q_long[p : p + 1], q_short))
+        alone[p] = attention(step, k_cache, v_cache, [p + 1, 37], [1, 1], tables, bs, window, variant)[0]
+    for chunk in (1100, 300, 64, 37, 7):  # odd sizes: boundaries off the blocks' and tiles' edges
+        for begin in range(0, 1100, chunk):
+            end = min(1100, begin + chunk)
+            q = torch.cat((q_short, q_long[begin:end]))
+            out = attention(q, k_cache, v_cache, [37, end], [1, end - begin], tables[::-1], bs, window, variant)[1:]
+            for p in positions:
+                if begin <= p < end:
+                    assert torch.equal(out[p - begin], alone[p]), f"position {p} in the chunk [{begin}, {end})"
 
 
 # the engine, end to end
@@ -224,10 +242,11 @@ def test_a_sequences_logits_do_not_depend_on_batch_chunks_cache_or_async(request
         return LLM(str(path), dtype=dtype, gguf_weights=gguf_weights, batch_invariant=setting, **engine)
 
     whole = llm(max_num_batched_tokens=2048)
-    backend = whole.engine.worker.model.attention_backend
-    assert backend.batch_invariant and backend.batch_invariant_auto == (setting is None)
+    backend, plan = whole.engine.worker.model.attention_backend, whole.loaded.plan
+    assert backend.batch_invariant and plan.batch_invariant
+    assert (plan.batch_invariant_why == "requested") == (setting is not None)
     if model == "wide_gguf" and kernels.has_amx_linears():  # the tiles run it here
-        assert kernels.amx_attention_active()
+        assert backend.on_amx_tiles
         assert all(m.amx_weight is not None for m in whole.engine.worker.model.modules() if hasattr(m, "amx_weight"))
     alone = outputs(whole, [TARGET])[0]
     for n in (1, 3, 15):
@@ -259,49 +278,33 @@ def test_auto_turns_batch_invariance_on_only_where_it_costs_nothing(request, cap
     """At the default, invariance is on where every linear runs on the AMX GEMM and the attention
     on the tiles (bfloat16 on a CPU with AMX), and off wherever the GEMMs or the attention would pay
     for it: turned off by a setting, linears without a dense copy (the GEMV over blocks), heads the
-    tiles do not take, float32, a CPU without AMX."""
+    tiles do not take, float32, a CPU without AMX. The plan says which, and why, in one line."""
     dtype, gguf_weights = CPU_COMBINATIONS[combination]
     path = request.getfixturevalue(model)
-    try:
-        llm = LLM(str(path), dtype=dtype, gguf_weights=gguf_weights, num_kv_blocks=64, **engine)
-        backend = llm.engine.worker.model.attention_backend
-        assert backend.batch_invariant == backend.batch_invariant_auto == on
-        assert backend.paged_prefill == (on or backend.name == "cpu_paged")
-        assert llm.generate([TARGET[:40]], SamplingParams(max_tokens=2))[0].outputs[0].finish_reason == "length"
-    finally:
-        kernels.use_native_kernels(True)
-        kernels.use_amx_kernels(True)
-    said = [r.getMessage() for r in caplog.records if "model.batch_invariant" in r.getMessage()]
-    if on:
-        assert said and "'enabled': True" in said[-1]
-    elif engine:  # on at load, off once the engine applies the setting
-        assert said and "'enabled': False" in said[-1]
-    else:
-        assert not said
+    llm = LLM(str(path), dtype=dtype, gguf_weights=gguf_weights, num_kv_blocks=64, **engine)
+    backend, plan = llm.engine.worker.model.attention_backend, llm.loaded.plan
+    assert backend.batch_invariant == plan.batch_invariant == on
+    assert plan.batch_invariant_why.startswith("bfloat16 on AMX" if on else "auto: off")
+    assert backend.paged_prefill == (on or backend.name == "cpu_paged")
+    assert llm.generate([TARGET[:40]], SamplingParams(max_tokens=2))[0].outputs[0].finish_reason == "length"
+    said = [r.getMessage() for r in caplog.records if "model.plan" in r.getMessage()]
+    assert len(said) == 1 and f"'batch_invariant': {on}" in said[0]
 
 
-@needs_amx
-def test_an_engine_built_later_on_the_same_model_takes_autos_invariance_back(wide_gguf):
-    """The Worker of an engine with the tiles off turns auto's invariance off on the shared model;
-    the next engine on that model, with the tiles on, turns it back on and answers as an engine on
-    a model loaded afresh."""
-    loaded = load_model(str(wide_gguf), dtype="bfloat16", gguf_weights="both")
+def test_an_engine_on_a_model_loaded_with_other_kernel_switches_is_refused_in_one_line(tiny_gguf):
+    """cpu_amx and cpu_native_kernels are what the model is loaded with (its plan): an engine asking
+    for others is refused, naming the setting, and leaves the model as it was; LLM on a loaded model
+    takes them from its plan."""
+    loaded = load_model(str(tiny_gguf), dtype="bfloat16", gguf_weights="both", amx=False)
     backend = loaded.model.attention_backend
-    assert backend.batch_invariant_auto and backend.batch_invariant
-    params = SamplingParams(max_tokens=6, temperature=0)
-    try:
-        off = LLM(loaded, num_kv_blocks=64, cpu_amx=False)
-        assert not backend.batch_invariant_auto and not backend.batch_invariant
-        assert off.generate([TARGET[:40]], params)[0].outputs[0].finish_reason == "length"
-        del off
-        on = LLM(loaded, num_kv_blocks=64)
-        assert backend.batch_invariant_auto and backend.batch_invariant and backend.paged_prefill
-        fresh = LLM(str(wide_gguf), dtype="bfloat16", gguf_weights="both", num_kv_blocks=64)
-        tokens = [llm.generate([TARGET[:40]], params)[0].outputs[0].token_ids for llm in (on, fresh)]
-        assert tokens[0] == tokens[1]
-    finally:
-        kernels.use_native_kernels(True)
-        kernels.use_amx_kernels(True)
+    before = (backend.name, backend.batch_invariant, backend.native, backend.amx, loaded.plan)
+    with pytest.raises(ValueError, match=r"^cpu_amx=True: the model was loaded with cpu_amx=False"):
+        Engine(loaded, EngineConfig(num_kv_blocks=64))
+    with pytest.raises(ValueError, match=r"^cpu_native_kernels=False: the model was loaded with cpu_native_kernels"):
+        LLM(loaded, num_kv_blocks=64, cpu_native_kernels=False)
+    assert (backend.name, backend.batch_invariant, backend.native, backend.amx, loaded.plan) == before
+    llm = LLM(loaded, num_kv_blocks=64)
+    assert (llm.engine.cfg.cpu_amx, llm.engine.cfg.cpu_native_kernels) == (False, True)
 
 
 def test_the_setting_defaults_to_auto_and_takes_a_value_or_a_bare_flag():

@@ -27,7 +27,6 @@ from atom_anyio.models.attention import (
     TorchPagedAttention,
     select_backend,
 )
-from atom_anyio.models.loader import resolve_dtype
 from atom_anyio.models.ops import (
     CpuOps,
     TorchOps,
@@ -38,6 +37,7 @@ from atom_anyio.models.ops import (
     pack_amx_weight,
     unpack_amx_weight,
 )
+from atom_anyio.models.plan import resolve_dtype
 from atom_anyio.models.quant import QuantLinear
 from atom_anyio.settings import ConfigError
 
@@ -205,33 +205,33 @@ def test_fused_ops_in_16_bit_round_as_the_torch_ops(dtype, width):
     g = torch.Generator().manual_seed(width)
     x, res = (torch.randn(33, width, generator=g).to(dtype) for _ in range(2))
     w = torch.randn(width, generator=g).to(dtype)
-    got, got_res = CpuOps.add_rms_norm(x.clone(), res.clone(), w, 1e-5)
+    got, got_res = CpuOps().add_rms_norm(x.clone(), res.clone(), w, 1e-5)
     want, want_res = TorchOps.add_rms_norm(x, res, w, 1e-5)
     assert torch.equal(got_res, want_res)
     tol = {"atol": 1e-2, "rtol": 1.6e-2} if dtype == torch.bfloat16 else {"atol": 2e-3, "rtol": 2e-3}
     torch.testing.assert_close(got, want, **tol)
-    torch.testing.assert_close(CpuOps.rms_norm(x, w, 1e-5), TorchOps.rms_norm(x, w, 1e-5), **tol)
+    torch.testing.assert_close(CpuOps().rms_norm(x, w, 1e-5), TorchOps.rms_norm(x, w, 1e-5), **tol)
     gate_up = (torch.randn(33, 2 * 96, generator=g) * 4).to(dtype)
-    torch.testing.assert_close(CpuOps.silu_and_mul(gate_up), TorchOps.silu_and_mul(gate_up), **tol)
+    torch.testing.assert_close(CpuOps().silu_and_mul(gate_up), TorchOps.silu_and_mul(gate_up), **tol)
 
 
 def test_fused_ops_equal_the_torch_ops():
     g = torch.Generator().manual_seed(0)
     x, res, w = (torch.randn(7, 96, generator=g) for _ in range(3))
     w = w[0]
-    torch.testing.assert_close(CpuOps.rms_norm(x, w, 1e-5), TorchOps.rms_norm(x, w, 1e-5), atol=1e-6, rtol=1e-6)
-    got, got_res = CpuOps.add_rms_norm(x.clone(), res.clone(), w, 1e-5)
+    torch.testing.assert_close(CpuOps().rms_norm(x, w, 1e-5), TorchOps.rms_norm(x, w, 1e-5), atol=1e-6, rtol=1e-6)
+    got, got_res = CpuOps().add_rms_norm(x.clone(), res.clone(), w, 1e-5)
     want, want_res = TorchOps.add_rms_norm(x, res, w, 1e-5)
     assert torch.equal(got_res, want_res)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
     gate_up = torch.randn(7, 2 * 64, generator=g) * 4
-    torch.testing.assert_close(CpuOps.silu_and_mul(gate_up), TorchOps.silu_and_mul(gate_up), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(CpuOps().silu_and_mul(gate_up), TorchOps.silu_and_mul(gate_up), atol=1e-6, rtol=1e-6)
     qkv = torch.randn(7, (4 + 2 * 2) * 32, generator=g)  # q, k as views of one projection, as in the model
     q, k = qkv[:, :128].view(7, 4, 32), qkv[:, 128:192].view(7, 2, 32)
     angles = torch.arange(7.0)[:, None] * torch.rand(16, generator=g)[None, :]
     cos, sin = angles.cos(), angles.sin()
     want_q, want_k = TorchOps.rotary(q.clone(), k.clone(), cos, sin)
-    got_q, got_k = CpuOps.rotary(q, k, cos, sin)
+    got_q, got_k = CpuOps().rotary(q, k, cos, sin)
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
 
 
@@ -291,11 +291,8 @@ def test_amx_prefill_follows_the_tiles_setting():
     assert in_kernel([1, 600], [300, 600])  # a short fresh prompt
     assert in_kernel([1, 1500], [300, 2000])  # a long chunk over a cached prefix
     assert not in_kernel([1, 1100], [300, 1100])  # a long fresh prompt
-    before = kernels.use_amx_kernels(False)
-    try:
-        assert not in_kernel([1, 40], [300, 90])
-    finally:
-        kernels.use_amx_kernels(before)
+    backend = CpuPagedAttention(amx_prefill=True, amx=False)
+    assert not in_kernel([1, 40], [300, 90])
 
 
 def test_environment_variable_picks_the_offline_llms_backend(tiny_model_dir, monkeypatch):
@@ -395,8 +392,8 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
 
 
-def elementwise_ops(dtype: torch.dtype, width: int, head_dim: int) -> list[torch.Tensor]:
-    """Every elementwise op of ``CpuOps`` once on rows with large, tiny, infinite and NaN values."""
+def elementwise_ops(dtype: torch.dtype, width: int, head_dim: int, ops: CpuOps) -> list[torch.Tensor]:
+    """Every elementwise op of ``ops`` once on rows with large, tiny, infinite and NaN values."""
     g = torch.Generator().manual_seed(width + head_dim)
     x, res = (torch.randn(37, width, generator=g) * 3 for _ in range(2))
     x[0, :5] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e-30, 3e38])
@@ -409,9 +406,9 @@ def elementwise_ops(dtype: torch.dtype, width: int, head_dim: int) -> list[torch
     q = qkv[:, : heads * head_dim].view(37, heads, head_dim)
     k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(37, kv_heads, head_dim)
     angles = torch.arange(37.0)[:, None] * torch.rand(head_dim // 2, generator=g)[None, :]
-    normed, residual = CpuOps.add_rms_norm(x.clone(), res.clone(), w, 1e-5)
-    rotated = CpuOps.rotary(q.clone(), k.clone(), angles.cos(), angles.sin())
-    return [CpuOps.rms_norm(x, w, 1e-5), normed, residual, CpuOps.silu_and_mul(gate_up), *rotated]
+    normed, residual = ops.add_rms_norm(x.clone(), res.clone(), w, 1e-5)
+    rotated = ops.rotary(q.clone(), k.clone(), angles.cos(), angles.sin())
+    return [ops.rms_norm(x, w, 1e-5), normed, residual, ops.silu_and_mul(gate_up), *rotated]
 
 
 @pytest.mark.skipif(
@@ -422,12 +419,8 @@ def elementwise_ops(dtype: torch.dtype, width: int, head_dim: int) -> list[torch
 def test_native_elementwise_ops_equal_their_portable_twins_bit_for_bit(dtype, width, head_dim):
     """The sixteen-lane variant of rms_norm, add_rms_norm, silu_and_mul and rotary computes each
     lane with the portable code's operations in its order: the same bits, NaN and infinities included."""
-    native = elementwise_ops(dtype, width, head_dim)
-    before = kernels.use_native_kernels(False)
-    try:
-        portable = elementwise_ops(dtype, width, head_dim)
-    finally:
-        kernels.use_native_kernels(before)
+    native = elementwise_ops(dtype, width, head_dim, CpuOps(native=True))
+    portable = elementwise_ops(dtype, width, head_dim, CpuOps(native=False))
     for a, b in zip(native, portable, strict=True):
         assert torch.equal(bits(a), bits(b))
 
@@ -454,11 +447,9 @@ BF16_VARIANTS = [
 
 
 @pytest.fixture
-def bf16_variant(request):
-    """Runs the test's decodes on the variant named by its ``variant`` parameter."""
-    before = kernels.use_amx_kernels(request.getfixturevalue("variant") == "amx")
-    yield
-    kernels.use_amx_kernels(before)
+def bf16_variant(request) -> bool:
+    """The ``amx`` switch that runs the test's decodes on the variant its ``variant`` parameter names."""
+    return request.getfixturevalue("variant") == "amx"
 
 
 @pytest.mark.parametrize("variant", BF16_VARIANTS)
@@ -478,13 +469,8 @@ def test_native_bf16_attention_equals_its_portable_twin(
         query_lens, context_lens, heads, kv_heads, head_dim, block_size, dtype=torch.bfloat16, seed=11
     )
     kwargs = {"sliding_window": window, "sinks": torch.randn(heads) if sinks else None}
-    backend = CpuPagedAttention(paged_prefill=True)
-    native = backend.forward(q, k, v, k_cache, v_cache, meta, **kwargs)
-    before = kernels.use_native_kernels(False)
-    try:
-        portable = backend.forward(q, k, v, k_cache, v_cache, meta, **kwargs)
-    finally:
-        kernels.use_native_kernels(before)
+    native = CpuPagedAttention(paged_prefill=True, amx=bf16_variant).forward(q, k, v, k_cache, v_cache, meta, **kwargs)
+    portable = CpuPagedAttention(paged_prefill=True, native=False).forward(q, k, v, k_cache, v_cache, meta, **kwargs)
     assert not torch.equal(native, torch.zeros_like(native))
     torch.testing.assert_close(native.float(), portable.float(), atol=1e-2, rtol=1e-2)
 
@@ -495,7 +481,7 @@ def test_native_bf16_long_decodes_split_over_the_keys_equal_the_float32_referenc
     q, k, v, k_cache, v_cache, meta = paged_step(
         [1, 1, 1], [context, context - 5, 7], 9, 3, 64, 16, dtype=torch.bfloat16
     )
-    out = CpuPagedAttention().forward(q, k, v, k_cache, v_cache, meta)
+    out = CpuPagedAttention(amx=bf16_variant).forward(q, k, v, k_cache, v_cache, meta)
     ref = TorchPagedAttention().forward(q.float(), k.float(), v.float(), k_cache.float(), v_cache.float(), meta)
     torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
 
@@ -522,7 +508,7 @@ def test_bf16_decodes_ignore_what_the_slots_past_their_keys_hold(
     ref = TorchPagedAttention().forward(q.float(), k.float(), v.float(), k_cache.float(), v_cache.float(), meta)
     k_cache[~valid] = float("nan")
     v_cache[~valid] = float("nan")
-    out = CpuPagedAttention().forward(q, k, v, k_cache, v_cache, meta)
+    out = CpuPagedAttention(amx=bf16_variant).forward(q, k, v, k_cache, v_cache, meta)
     assert not out.isnan().any()
     torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
 

@@ -21,7 +21,6 @@ import transformers
 from support_models import write_tiny_llama
 from support_servers import Served, clean_env, free_port, running, wait_ready
 
-from atom_anyio import kernels
 from atom_anyio.config import Config
 from atom_anyio.llm import LLM
 from atom_anyio.models.quant import Q, QuantizedWeight
@@ -92,23 +91,22 @@ def test_greedy_output_at_two_ranks_equals_one_and_transformers_with_a_replicate
     assert at_two == at_one == [transformers_greedy(replicated_kv_dir, p, 24) for p in ids]
 
 
-def test_every_rank_runs_the_kernel_variants_the_engine_was_given(replicated_kv_dir):
-    """cpu_native_kernels and cpu_amx reach rank 0's worker and every rank's process."""
-    off = {"native_kernels": False, "amx": False}
-    try:
-        with offline(
-            str(replicated_kv_dir),
-            kv_cache_gib=0.02,
-            tensor_parallel_size=2,
-            cpu_native_kernels=False,
-            cpu_amx=False,
-        ) as two:
-            assert kernels.kernel_settings() == off
-            assert two.engine.worker.rank_kernels == [off]
-            assert two.generate([[5, 99, 1234]], greedy(4))[0].outputs[0].token_ids
-    finally:
-        kernels.use_native_kernels(True)
-        kernels.use_amx_kernels(True)
+def test_every_rank_loads_its_shard_as_rank_0s_plan(replicated_kv_dir):
+    """cpu_native_kernels and cpu_amx are part of the plan the model is loaded as, and every rank's
+    process loads its shard from rank 0's plan: they all run the same kernel variants."""
+    with offline(
+        str(replicated_kv_dir),
+        kv_cache_gib=0.02,
+        tensor_parallel_size=2,
+        cpu_native_kernels=False,
+        cpu_amx=False,
+    ) as two:
+        plan = two.loaded.plan
+        assert (plan.native_kernels, plan.amx, plan.tensor_parallel_size) == (False, False, 2)
+        assert two.engine.worker.rank_plans == [plan]
+        backend = two.engine.worker.model.attention_backend
+        assert (backend.native, backend.amx) == (False, False)
+        assert two.generate([[5, 99, 1234]], greedy(4))[0].outputs[0].token_ids
 
 
 @pytest.mark.slow

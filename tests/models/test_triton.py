@@ -202,7 +202,7 @@ def test_gpu_memory_utilization_comes_from_the_environment_or_the_flag_and_is_ch
 
 
 def test_float16_is_a_gpu_dtype():
-    from atom_anyio.models.loader import resolve_dtype
+    from atom_anyio.models.plan import resolve_dtype
 
     assert resolve_dtype("float16", torch.device("cuda:0")) is torch.float16
     with pytest.raises(ValueError, match="dtype float16 runs on GPUs"):

@@ -31,7 +31,8 @@ from atom_anyio.engine.core import Engine, EngineStopped
 from atom_anyio.engine.grammar import Grammars
 from atom_anyio.engine.request import EngineRequest
 from atom_anyio.engine.stream import DeltaStream
-from atom_anyio.models.loader import LoadedModel, load_model
+from atom_anyio.models.loader import LoadedModel, load_planned
+from atom_anyio.models.plan import ModelPlan, plan_model
 from atom_anyio.obs.loop_health import GCTimer, freeze_heap, limit_malloc_arenas, monitor_loop_lag, thaw_heap
 from atom_anyio.obs.metrics import Metrics
 from atom_anyio.parse import ParserSpec
@@ -313,19 +314,26 @@ async def _run_engine(
 def _load(config: Config) -> LoadedModel:
     """The model; a model it cannot serve (unknown architecture, missing files) is a ``ConfigError``."""
     try:
-        tp = config.engine.tensor_parallel_size
-        return load_model(
-            config.model,
-            config.dtype,
-            config.device,
-            config.attention_backend,
-            tp,
-            gguf_weights=config.gguf_weights,
-            batch_invariant=config.batch_invariant,
-            hf_overrides=config.hf_overrides,
-        )
+        return load_planned(model_plan(config))
     except (ValueError, FileNotFoundError) as exc:
         raise ConfigError(f"model {config.model or '(default)'}: {exc}") from None
+
+
+def model_plan(config: Config) -> ModelPlan:
+    """The plan (models/plan.py) the server loads its model as, from its settings."""
+    engine = config.engine
+    return plan_model(
+        config.model,
+        config.dtype,
+        config.device,
+        config.attention_backend,
+        engine.tensor_parallel_size,
+        config.gguf_weights,
+        config.batch_invariant,
+        config.hf_overrides,
+        engine.cpu_native_kernels,
+        engine.cpu_amx,
+    )
 
 
 async def _warm_up(runtime: Runtime) -> None:

@@ -52,6 +52,7 @@ class EngineStopped(RuntimeError):
 
 class Engine:
     def __init__(self, loaded: LoadedModel, cfg: EngineConfig = EngineConfig()):
+        cfg.check_loaded_as(loaded.plan)
         self.cfg = cfg
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.config
@@ -83,15 +84,7 @@ class Engine:
         if cfg.tensor_parallel_size > 1:  # rank 0, driving the other ranks' processes
             self.worker = TensorParallelWorker(loaded, num_blocks, cfg)
         else:
-            self.worker = Worker(
-                loaded.model,
-                num_blocks,
-                cfg.block_size,
-                cfg.cpu_threads,
-                decode_graphs=graphs,
-                native_kernels=cfg.cpu_native_kernels,
-                amx=cfg.cpu_amx,
-            )
+            self.worker = Worker(loaded.model, num_blocks, cfg.block_size, cfg.cpu_threads, decode_graphs=graphs)
         self.outputs = OutputProcessor(
             self.scheduler,
             self.block_manager,
@@ -318,7 +311,8 @@ def _speculator(cfg: EngineConfig, loaded: LoadedModel) -> Speculator | None:
     if cfg.async_scheduling:
         log.warning("spec_decode.off", reason="async_scheduling", method=spec.method)
         return None
-    exact = "float32" in loaded.model.dtype_name or getattr(loaded.model.attention_backend, "batch_invariant", False)
+    plan = loaded.plan  # a draft's step gives a plain decode's bits in float32 or batch-invariant
+    exact = plan is not None and (plan.dtype == "float32" or bool(plan.batch_invariant))
     log.info("spec_decode.on", exact=exact, **dataclasses.asdict(spec))
     return Speculator(spec)
 

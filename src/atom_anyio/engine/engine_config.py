@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from atom_anyio.engine.kv_events import KVEventsConfig
 from atom_anyio.engine.speculative import SpeculativeConfig
+from atom_anyio.models.plan import ModelPlan
 from atom_anyio.settings import setting
 
 
@@ -86,6 +87,18 @@ class EngineConfig:
             )
         if self.kv_cache_gib <= 0:
             raise ValueError(f"kv_cache_gib must be positive, not {self.kv_cache_gib}")
+
+    def check_loaded_as(self, plan: ModelPlan | None) -> None:
+        """The CPU kernels' switches are the loaded model's (its plan, models/plan.py): an engine
+        does not change them, so one that asks for others is a one-line error naming the setting."""
+        if plan is None:  # built in memory
+            return
+        for name, loaded_as in (("cpu_native_kernels", plan.native_kernels), ("cpu_amx", plan.amx)):
+            if getattr(self, name) != loaded_as:
+                raise ValueError(
+                    f"{name}={getattr(self, name)}: the model was loaded with {name}={loaded_as} "
+                    "(load it with the engine's setting)"
+                )
 
     @property
     def cpu_threads(self) -> int:

@@ -35,11 +35,11 @@ from multiprocessing.connection import Connection
 import torch
 import torch.distributed as dist
 
-from atom_anyio import kernels
 from atom_anyio.engine.engine_config import EngineConfig
 from atom_anyio.engine.step import StepInput
 from atom_anyio.engine.worker import Worker, WorkerFailed
-from atom_anyio.models.loader import LoadedModel, ModelSource, load_model
+from atom_anyio.models.loader import LoadedModel, load_planned
+from atom_anyio.models.plan import ModelPlan
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)  # a rank alive but not answering fails the step after it
 READY_TIMEOUT_S = 600.0  # loading a shard
@@ -48,17 +48,19 @@ PR_SET_PDEATHSIG = 1
 
 @dataclass(frozen=True)
 class RankSpec:
-    """What a rank needs to build its part of the engine."""
+    """What a rank needs to build its part of the engine: rank 0's plan (models/plan.py), which it
+    loads its shard from, so every rank runs the model as rank 0 does."""
 
-    source: ModelSource
+    plan: ModelPlan
     rank: int
-    size: int
     num_blocks: int
     block_size: int
     num_threads: int
     store_port: int  # rank 0's rendezvous store
-    native_kernels: bool = True  # the engine's cpu_native_kernels
-    amx: bool = True  # and cpu_amx, which each rank's process applies too
+
+    @property
+    def size(self) -> int:
+        return self.plan.tensor_parallel_size
 
 
 class TensorParallelWorker(Worker):
@@ -67,42 +69,23 @@ class TensorParallelWorker(Worker):
 
     def __init__(self, loaded: LoadedModel, num_blocks: int, cfg: EngineConfig):
         size = cfg.tensor_parallel_size
-        if loaded.model.tp.size != size or loaded.source is None:
+        if loaded.model.tp.size != size or loaded.plan is None:
             raise ValueError(
                 f"tensor_parallel_size={size}: load the model with load_model(tensor_parallel_size={size})"
             )
         if dist.is_initialized():
             raise RuntimeError("one tensor-parallel engine per process: close the other one (worker.close()) first")
-        super().__init__(
-            loaded.model,
-            num_blocks,
-            cfg.block_size,
-            cfg.threads_per_rank,
-            native_kernels=cfg.cpu_native_kernels,
-            amx=cfg.cpu_amx,
-        )
+        super().__init__(loaded.model, num_blocks, cfg.block_size, cfg.threads_per_rank)
         # port 0: any free one; the ranks join the group only once they have loaded their shards
         self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
-        specs = [
-            RankSpec(
-                loaded.source,
-                r,
-                size,
-                num_blocks,
-                cfg.block_size,
-                cfg.threads_per_rank,
-                self._store.port,
-                cfg.cpu_native_kernels,
-                cfg.cpu_amx,
-            )
-            for r in range(1, size)
-        ]
+        plan, port = loaded.plan, self._store.port
+        specs = [RankSpec(plan, r, num_blocks, cfg.block_size, cfg.threads_per_rank, port) for r in range(1, size)]
         self.ranks = [Rank.start(spec) for spec in specs]
         self.close = weakref.finalize(self, _stop, self.ranks)  # also at interpreter exit
-        self.rank_kernels: list[dict[str, bool] | None] = []  # what each rank's kernels run (None: not the CPU's)
+        self.rank_plans: list[ModelPlan] = []  # what each rank loaded its shard as
         try:
             for rank in self.ranks:
-                self.rank_kernels.append(rank.wait_ready())
+                self.rank_plans.append(rank.wait_ready())
             join_group(0, size, self._store, self.device)
         except BaseException:
             self.close()
@@ -152,18 +135,18 @@ class Rank:
         conn.send_bytes(pickle.dumps(spec))
         return cls(spec.rank, process, conn)
 
-    def wait_ready(self) -> dict[str, bool] | None:
-        """Waits for the rank to load its shard; returns what its CPU kernels run (None off the CPU)."""
+    def wait_ready(self) -> ModelPlan:
+        """Waits for the rank to load its shard; returns the plan it loaded it as."""
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not self.conn.poll(0.1):  # bounded waits on the socket, watching the process
             if self.process.poll() is not None:
                 raise RuntimeError(f"rank {self.rank} exited with {self.process.returncode} while loading its shard")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"rank {self.rank} not ready after {READY_TIMEOUT_S} s")
-        error, settings = pickle.loads(self.conn.recv_bytes())
+        error, plan = pickle.loads(self.conn.recv_bytes())
         if error:
             raise RuntimeError(f"rank {self.rank}: {error}")
-        return settings
+        return plan
 
     def stop(self) -> None:
         with contextlib.suppress(OSError):  # already gone
@@ -191,12 +174,6 @@ def join_group(rank: int, size: int, store: dist.Store, device: torch.device) ->
 # a rank's process
 
 
-def rank_device(source: ModelSource, rank: int) -> torch.device:
-    """Rank ``r`` of a model on ``cuda:N`` runs on ``cuda:N+r``; on the CPU, every rank on the CPU."""
-    device = torch.device(source.device)
-    return device if device.type != "cuda" else torch.device("cuda", (device.index or 0) + rank)
-
-
 def die_with(parent: int) -> None:
     """End this process when ``parent`` ends, even by SIGKILL (Linux: PR_SET_PDEATHSIG)."""
     if sys.platform == "linux":
@@ -213,40 +190,27 @@ def serve_steps(worker: Worker, conn: Connection) -> None:
             worker.forward(step)
 
 
+def load_rank(spec: RankSpec) -> LoadedModel:
+    """The rank's shard, loaded from rank 0's plan (what ``main`` runs in the rank's process)."""
+    device = spec.plan.rank_device(spec.rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    torch.set_num_threads(spec.num_threads)
+    return load_planned(spec.plan, spec.rank)
+
+
 def main(fd: int, parent: int) -> int:
     die_with(parent)
     conn = Connection(fd)
     spec: RankSpec = pickle.loads(conn.recv_bytes())
-    device = rank_device(spec.source, spec.rank)
+    device = spec.plan.rank_device(spec.rank)
     try:
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        torch.set_num_threads(spec.num_threads)
-        s = spec.source
-        loaded = load_model(
-            s.path,
-            s.dtype,
-            device,
-            s.attention_backend,
-            spec.size,
-            spec.rank,
-            s.gguf_weights,
-            s.batch_invariant,
-            s.hf_overrides,
-        )
-        worker = Worker(
-            loaded.model,
-            spec.num_blocks,
-            spec.block_size,
-            spec.num_threads,
-            native_kernels=spec.native_kernels,
-            amx=spec.amx,
-        )
-        settings = kernels.kernel_settings() if device.type == "cpu" and kernels.load_cpu_kernels() is None else None
+        loaded = load_rank(spec)
+        worker = Worker(loaded.model, spec.num_blocks, spec.block_size, spec.num_threads)
     except Exception as exc:
         conn.send_bytes(pickle.dumps((f"{type(exc).__name__}: {exc}", None)))
         return 1
-    conn.send_bytes(pickle.dumps((None, settings)))
+    conn.send_bytes(pickle.dumps((None, loaded.plan)))
     join_group(spec.rank, spec.size, dist.TCPStore("127.0.0.1", spec.store_port, timeout=COLLECTIVE_TIMEOUT), device)
     try:
         serve_steps(worker, conn)

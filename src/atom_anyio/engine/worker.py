@@ -28,7 +28,6 @@ from atom_anyio.engine.step import PromptRows, StepInput, StepOutput
 from atom_anyio.engine.stream import Logprob
 from atom_anyio.models.attention import AttentionMetadata, stage
 from atom_anyio.models.decoder import LlamaForCausalLM
-from atom_anyio.models.ops import CpuOps, use_amx_linears
 
 log = structlog.get_logger("atom_anyio.engine")
 
@@ -80,24 +79,10 @@ class Worker:
         block_size: int,
         num_threads: int = 1,
         decode_graphs: tuple[int, int] | None = None,  # (max_model_len, max_num_seqs): see cuda_graphs.py
-        native_kernels: bool = True,  # the CPU kernels' native variants (process-wide: kernels.use_native_kernels)
-        amx: bool = True,  # attention and bfloat16 linears on the AMX tiles where built (cpu_amx)
     ):
-        self.model = model
+        self.model = model  # as loaded (its plan: models/plan.py); nothing here changes it
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        if self.device.type == "cpu" and issubclass(model.attention_backend.ops, CpuOps):
-            kernels.use_native_kernels(native_kernels)
-            kernels.use_amx_kernels(amx)
-            on_tiles = amx and native_kernels
-            use_amx_linears(model, on_tiles)
-            backend = model.attention_backend
-            # auto's choice at load holds only with the tiles on: off, it would cost (and an engine
-            # built later on the same model with them on again takes it back)
-            if getattr(backend, "batch_invariant_auto_chosen", False) and backend.batch_invariant_auto != on_tiles:
-                backend.use_auto_batch_invariant(on_tiles)
-                why = "cpu_amx and cpu_native_kernels on" if on_tiles else "cpu_amx or cpu_native_kernels off"
-                log.info("model.batch_invariant", enabled=on_tiles, requested="auto", why=why)
         cfg = model.config
         num_slots = (num_blocks + (decode_graphs is not None)) * block_size  # a spare block for padding rows
         shape = (cfg.num_hidden_layers, 2, num_slots, cfg.num_key_value_heads, cfg.head_dim)

@@ -137,28 +137,11 @@ def isa_flags() -> list[str]:
 
 
 def native_kernels() -> list[str]:
-    """The variants the build runs beyond the portable code (``paged_attention_avx512_bf16`` where
+    """The variants the build has beyond the portable code (``paged_attention_avx512_bf16`` where
     the CPU has AVX512-BF16, ``paged_attention_amx_bf16`` where it has AMX and the OS lends the
-    tiles); empty without the kernels."""
+    tiles); empty without the kernels. Whether they run is the model's (``ModelPlan.native_kernels``
+    and ``amx``, passed to each kernel call): nothing here is a setting of the process."""
     return list(torch.ops.atom.native_kernels()) if load_cpu_kernels() is None else []
-
-
-def use_native_kernels(enabled: bool) -> bool:
-    """Run the native variants (the default) or their portable twins; returns the previous setting."""
-    return bool(torch.ops.atom.set_native_kernels(enabled))
-
-
-def use_amx_kernels(enabled: bool) -> bool:
-    """Run bfloat16 attention in the kernel on the AMX tiles where the build has them (the
-    default), or through the AVX512-BF16 variant, as on a CPU without AMX; returns the previous
-    setting."""
-    return bool(torch.ops.atom.set_amx_kernels(enabled))
-
-
-def kernel_settings() -> dict[str, bool]:
-    """What this process's kernels run now: the native variants, the AMX attention (each as last set)."""
-    native, amx = torch.ops.atom.kernel_settings()
-    return {"native_kernels": native, "amx": amx}
 
 
 @functools.cache
@@ -171,11 +154,6 @@ def has_amx_linears() -> bool:
 def has_amx_attention() -> bool:
     """The build has the AMX attention variant and the OS lends this process the tiles."""
     return "paged_attention_amx_bf16" in native_kernels()
-
-
-def amx_attention_active() -> bool:
-    """bfloat16 attention in the kernel runs on the AMX tiles now (built, lent, not turned off)."""
-    return has_amx_attention() and torch.ops.atom.kernel_settings()[1]
 
 
 def has_native_bf16() -> bool:

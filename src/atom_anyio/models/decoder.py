@@ -356,7 +356,7 @@ class LlamaForCausalLM(nn.Module):
         inv_freq, self.rope_scale = rope_inv_freq(cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.use_fused = True  # steps through the fused decoder (models/fused.py), where it applies
-        self._fused: tuple[torch.ScriptObject | None, str | None] | None = None  # built at the first step
+        self._fused: tuple[torch.ScriptObject | None, str | None] | None = None  # built at load, else at the first step
 
     def forward(
         self,
@@ -388,13 +388,19 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, cos, sin, kv, meta)
         return self.model.norm(x, residual)[0]
 
+    def build_fused(self) -> str | None:
+        """Build the fused CPU decoder (models/fused.py) over the weights as they lie (the loader
+        does, once); why the model does not fit it, or None."""
+        self._fused = fused.build(self)
+        return self._fused[1]
+
     def fused_decoder(self) -> torch.ScriptObject | None:
-        """The fused CPU decoder (models/fused.py) when ``use_fused`` and the model fits it, else None."""
+        """The fused CPU decoder when ``use_fused`` and the model fits it, else None."""
         if not self.use_fused:
             return None
-        if self._fused is None:
-            self._fused = fused.build(self)
-            log.info("model.fused_decoder", enabled=self._fused[0] is not None, reason=self._fused[1])
+        if self._fused is None:  # a model built in memory, or its layers packed again since (tests)
+            why = self.build_fused()
+            log.info("model.fused_decoder", enabled=why is None, reason=why)
         return self._fused[0]
 
     @property

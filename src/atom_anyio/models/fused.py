@@ -12,7 +12,9 @@ linear packed, as ``pack_bf16_linears`` leaves it: on the AMX GEMM at any row
 count, or oneDNN's packed weight, a GGUF layer's own blocks serving 1-4 rows),
 else None with the reason. The oneDNN form is what a CPU with AVX512-BF16 and
 no AMX (Zen 4, Zen 5) runs, and ``cpu_amx=false`` forces it on one with AMX.
-The decoder holds the model's own weight tensors, not copies.
+The decoder holds the model's own weight tensors, not copies, and runs the
+kernel variants its attention backend runs (``native``, ``amx``: the plan's).
+The loader builds it once and records in the plan whether it runs and why.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ FLOAT = -1  # decoder.cpp's type of a float32 weight
 def build(model: nn.Module) -> tuple[torch.ScriptObject | None, str | None]:
     """``(decoder, None)``, or ``(None, why not)``."""
     cfg = model.config
-    if model.attention_backend.ops is not CpuOps:
-        return None, f"attention backend {model.attention_backend.name!r} (the fused decoder runs the cpu kernels)"
+    backend = model.attention_backend
+    if type(backend.ops) is not CpuOps:
+        return None, f"attention backend {backend.name!r} (the fused decoder runs the cpu kernels)"
     if model.tp.size > 1:
         return None, "tensor parallelism"
     if cfg.moe is not None:
@@ -46,7 +49,7 @@ def build(model: nn.Module) -> tuple[torch.ScriptObject | None, str | None]:
     shape = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size)
     if why := torch.ops.atom.decoder_unsupported_shape(*shape):
         return None, why
-    decoder = torch.classes.atom.Decoder(*shape, cfg.rms_norm_eps)
+    decoder = torch.classes.atom.Decoder(*shape, cfg.rms_norm_eps, backend.native, backend.amx)
     if bfloat16:
         decoder.use_bfloat16()
     for i, layer in enumerate(model.model.layers):

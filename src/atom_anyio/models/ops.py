@@ -2,11 +2,13 @@
 torch on any device) and ``CpuOps`` (the fused C++ kernels of
 ``kernels/csrc/ops.cpp``: one pass and one dispatch each, where the reference
 spends six to twelve small ops per call). The model holds one of them, chosen
-with its attention backend at construction."""
+with its attention backend at construction (with the kernel variants it runs,
+from the model's plan)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -63,11 +65,15 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+@dataclass(frozen=True)
 class CpuOps:
-    """Same results as ``TorchOps`` to float rounding; needs ``kernels.load_cpu_kernels()``."""
+    """Same results as ``TorchOps`` to float rounding; needs ``kernels.load_cpu_kernels()``.
+    ``native``: the elementwise kernels' native variants where built, else their portable twins
+    (the plan's ``native_kernels``; the two are equal bit for bit)."""
 
-    name = "cpu"
-    MAX_GEMV_ROWS = 4  # up to here the weights stream once through the kernel; MKL's GEMM beyond
+    native: bool = True
+    name: ClassVar[str] = "cpu"
+    MAX_GEMV_ROWS: ClassVar[int] = 4  # up to here the weights stream once through the kernel; MKL's GEMM beyond
 
     @staticmethod
     def linear(x: torch.Tensor, layer: torch.nn.Linear | quant.QuantLinear) -> torch.Tensor:
@@ -88,7 +94,7 @@ class CpuOps:
         torch.ops.atom.gemv(out, x.contiguous(), w, layer.bias)
         return out
 
-    LOGITS_SLICE = 2048  # vocabulary rows per GEMM of the LM head
+    LOGITS_SLICE: ClassVar[int] = 2048  # vocabulary rows per GEMM of the LM head
 
     @staticmethod
     def lm_head(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
@@ -107,28 +113,24 @@ class CpuOps:
 
     dequantize = staticmethod(quant.cpu_dequantize)
 
-    @staticmethod
-    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x = x.contiguous()
         out = torch.empty_like(x)
-        torch.ops.atom.rms_norm(out, x, weight, eps)
+        torch.ops.atom.rms_norm(out, x, weight, eps, self.native)
         return out
 
-    @staticmethod
-    def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
         x, residual = x.contiguous(), residual.contiguous()
-        torch.ops.atom.add_rms_norm(x, residual, weight, eps)  # in place: both are this step's own
+        torch.ops.atom.add_rms_norm(x, residual, weight, eps, self.native)  # in place: both are this step's own
         return x, residual
 
-    @staticmethod
-    def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         out = x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
-        torch.ops.atom.silu_and_mul(out, x.contiguous())
+        torch.ops.atom.silu_and_mul(out, x.contiguous(), self.native)
         return out
 
-    @staticmethod
-    def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        torch.ops.atom.rotary_embedding(q, k, cos, sin)  # in place, through the qkv buffer's views
+    def rotary(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        torch.ops.atom.rotary_embedding(q, k, cos, sin, self.native)  # in place, through the qkv buffer's views
         return q, k
 
 
@@ -145,8 +147,8 @@ class BatchInvariantCpuOps(CpuOps):
     depending on the batch, and on an AMX Xeon about one end-to-end run in ten even for 16-row
     tiles of one shape). docs/engine.md, "Batch invariance", says what it costs."""
 
-    name = "cpu_invariant"
-    TILE_ROWS = 16
+    name: ClassVar[str] = "cpu_invariant"
+    TILE_ROWS: ClassVar[int] = 16
 
     @staticmethod
     def linear(x: torch.Tensor, layer: torch.nn.Linear | quant.QuantLinear) -> torch.Tensor:
@@ -206,7 +208,7 @@ def _tile_linear(x: torch.Tensor, layer: torch.nn.Linear | quant.QuantLinear) ->
     return F.linear(x, w.dense if isinstance(w, QuantizedWeight) else w, layer.bias)
 
 
-Ops = type[TorchOps] | type[CpuOps]
+Ops = TorchOps | CpuOps
 
 
 def amx_linear(x: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
@@ -287,8 +289,9 @@ def pack_bf16_linears(model: torch.nn.Module, amx: bool | None = None) -> int:
     several times the GEMM itself at decode batch sizes; docs/performance.md; same bits as
     ``F.linear``). A weight whose K is not a multiple of 32 takes oneDNN's. A quantized layer's
     dense copy is then dropped (the packed one serves its GEMMs) unless an embedding looks its rows
-    up too. Packing again in the other layout converts the layers (``Worker`` does, for
-    ``cpu_amx``). Returns the bytes the packed copies take."""
+    up too. The loader packs once, by the plan (``ModelPlan.amx_linears``); packing again in the
+    other layout converts the layers (the tests compare the two). Returns the bytes the packed
+    copies take."""
     if amx is None:
         amx = kernels.has_amx_linears()
     looked_up = {id(m.weight) for m in model.modules() if isinstance(m, quant.QuantEmbedding)}
@@ -330,17 +333,6 @@ def takes_quantized_tiles(w: torch.Tensor | QuantizedWeight) -> bool:
 def on_amx_tiles(layer: torch.nn.Module) -> bool:
     """Whether the layer's GEMMs run on the AMX GEMM (its bfloat16 or quantized tiles)."""
     return getattr(layer, "amx_weight", None) is not None or getattr(layer, "amx_qweight", None) is not None
-
-
-def use_amx_linears(model: torch.nn.Module, enabled: bool) -> None:
-    """Run the model's packed bfloat16 linears on the AMX GEMM (where the kernels have it) or on
-    oneDNN's, converting the layers packed the other way."""
-    enabled = enabled and kernels.has_amx_linears()
-    for m in model.modules():
-        packed = getattr(m, "packed_weight", None) is not None or on_amx_tiles(m)
-        if (packed or takes_quantized_tiles(getattr(m, "weight", None))) and on_amx_tiles(m) != enabled:
-            pack_bf16_linears(model, enabled)
-            return
 
 
 def _unpack_onednn(packed: torch.Tensor, shape: torch.Size) -> torch.Tensor:

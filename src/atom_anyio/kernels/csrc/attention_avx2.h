@@ -1,7 +1,7 @@
 // The AVX2 variant of the paged attention: the portable variant (whose V8 code the build already
 // compiles to AVX2) with a decode's scores taken from the keys as they lie. Included where the
 // build targets AVX2 and FMA; it then serves every call the native variants do not take, so
-// set_native_kernels(false) runs it too.
+// a call with native=false runs it too.
 #pragma once
 
 #if !(defined(__AVX2__) && defined(__FMA__))

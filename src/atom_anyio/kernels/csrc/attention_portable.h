@@ -2,7 +2,7 @@
 // a KV chunk is staged as float (K transposed, [D][16]) so the score and value micro-kernels
 // are plain fixed-width FMA loops over rows held in registers (vec.h's V8: AVX2 where the
 // build targets it, plain loops elsewhere). It is the twin every native variant is tested
-// against (set_native_kernels(false) runs it). A build with AVX2 adds one step
+// against (a call with native=false runs it). A build with AVX2 adds one step
 // (attention_avx2.h): a decode's scores from the keys as they lie.
 #pragma once
 

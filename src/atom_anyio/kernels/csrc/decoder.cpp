@@ -20,7 +20,8 @@
 // without AMX, or cpu_amx off), where a GGUF layer's 1-4 rows take the GEMV over
 // its blocks in float32 arithmetic, rounded back (quant.cpu_linear). The attention's
 // `partition` (batch invariance) comes with each step, as the op-by-op backend
-// passes it.
+// passes it; which kernel variants run (`native`, `amx`: the model's plan) is
+// given at construction, as the op-by-op path's ops hold it.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -145,8 +146,17 @@ namespace {
 
 class Decoder : public torch::CustomClassHolder {
  public:
-  Decoder(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps)
-      : hidden_(hidden), H_(heads), KVH_(kv_heads), D_(head_dim), I_(intermediate), eps_(float(eps)) {
+  // native: the kernels' native variants (else their portable twins); amx: bfloat16 attention on the AMX tiles
+  Decoder(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps,
+          bool native, bool amx)
+      : hidden_(hidden),
+        H_(heads),
+        KVH_(kv_heads),
+        D_(head_dim),
+        I_(intermediate),
+        eps_(float(eps)),
+        native_(native),
+        amx_(amx) {
     const std::string why = atom::decoder_unsupported_shape(hidden, heads, kv_heads, head_dim, intermediate);
     TORCH_CHECK(why.empty(), "Decoder: ", why);
   }
@@ -328,7 +338,7 @@ class Decoder : public torch::CustomClassHolder {
       atom::op::paged_attention(attn, q, k_cache, v_cache, block_tables, seq_lens, query_start, block_size, scale,
                                 layer.window,
                                 layer.sinks.defined() ? c10::optional<at::Tensor>(layer.sinks) : c10::nullopt,
-                                partition);
+                                partition, native_, amx_);
       x = layer.o.run(attn.view({T, H_ * D_}));
       add_rms_norm(x.data_ptr<S>(), r, layer.post_norm.data_ptr<S>(), T, hidden_, eps_);
       const at::Tensor gate_up = layer.gate_up.run(x);
@@ -340,32 +350,34 @@ class Decoder : public torch::CustomClassHolder {
     return x;
   }
 
-  // the ops.cpp kernels by dtype
-  static void rms_norm(float* o, const float* x, const float* w, int64_t rows, int64_t n, float eps) {
-    atom::rms_norm_f32(o, x, w, rows, n, eps);
+  // the ops.cpp kernels by dtype, native_ or their portable twins
+  void rms_norm(float* o, const float* x, const float* w, int64_t rows, int64_t n, float eps) const {
+    atom::rms_norm_f32(o, x, w, rows, n, eps, native_);
   }
-  static void rms_norm(c10::BFloat16* o, const c10::BFloat16* x, const c10::BFloat16* w, int64_t rows, int64_t n,
-                       float eps) {
-    atom::rms_norm_bf16(o, x, w, rows, n, eps);
+  void rms_norm(c10::BFloat16* o, const c10::BFloat16* x, const c10::BFloat16* w, int64_t rows, int64_t n,
+                float eps) const {
+    atom::rms_norm_bf16(o, x, w, rows, n, eps, native_);
   }
-  static void add_rms_norm(float* x, float* r, const float* w, int64_t rows, int64_t n, float eps) {
-    atom::add_rms_norm_f32(x, r, w, rows, n, eps);
+  void add_rms_norm(float* x, float* r, const float* w, int64_t rows, int64_t n, float eps) const {
+    atom::add_rms_norm_f32(x, r, w, rows, n, eps, native_);
   }
-  static void add_rms_norm(c10::BFloat16* x, c10::BFloat16* r, const c10::BFloat16* w, int64_t rows, int64_t n,
-                           float eps) {
-    atom::add_rms_norm_bf16(x, r, w, rows, n, eps);
+  void add_rms_norm(c10::BFloat16* x, c10::BFloat16* r, const c10::BFloat16* w, int64_t rows, int64_t n,
+                    float eps) const {
+    atom::add_rms_norm_bf16(x, r, w, rows, n, eps, native_);
   }
-  static void silu_and_mul(float* o, const float* x, int64_t rows, int64_t n) { atom::silu_and_mul_f32(o, x, rows, n); }
-  static void silu_and_mul(c10::BFloat16* o, const c10::BFloat16* x, int64_t rows, int64_t n) {
-    atom::silu_and_mul_bf16(o, x, rows, n);
+  void silu_and_mul(float* o, const float* x, int64_t rows, int64_t n) const {
+    atom::silu_and_mul_f32(o, x, rows, n, native_);
   }
-  static void rotary(float* q, int64_t qs, int64_t qh, float* k, int64_t ks, int64_t kh, int64_t t, int64_t D,
-                     const float* c, const float* s) {
-    atom::rotary_f32(q, qs, qh, k, ks, kh, t, D, c, s);
+  void silu_and_mul(c10::BFloat16* o, const c10::BFloat16* x, int64_t rows, int64_t n) const {
+    atom::silu_and_mul_bf16(o, x, rows, n, native_);
   }
-  static void rotary(c10::BFloat16* q, int64_t qs, int64_t qh, c10::BFloat16* k, int64_t ks, int64_t kh, int64_t t,
-                     int64_t D, const float* c, const float* s) {
-    atom::rotary_bf16(q, qs, qh, k, ks, kh, t, D, c, s);
+  void rotary(float* q, int64_t qs, int64_t qh, float* k, int64_t ks, int64_t kh, int64_t t, int64_t D, const float* c,
+              const float* s) const {
+    atom::rotary_f32(q, qs, qh, k, ks, kh, t, D, c, s, native_);
+  }
+  void rotary(c10::BFloat16* q, int64_t qs, int64_t qh, c10::BFloat16* k, int64_t ks, int64_t kh, int64_t t,
+              int64_t D, const float* c, const float* s) const {
+    atom::rotary_bf16(q, qs, qh, k, ks, kh, t, D, c, s, native_);
   }
 
   void check_caches(const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches) const {
@@ -392,6 +404,7 @@ class Decoder : public torch::CustomClassHolder {
 
   int64_t hidden_, H_, KVH_, D_, I_;
   float eps_;
+  bool native_, amx_;
   at::ScalarType dtype_ = at::kFloat;
   std::vector<Layer> layers_;
   at::Tensor embedding_, norm_;
@@ -402,7 +415,7 @@ class Decoder : public torch::CustomClassHolder {
 
 void atom::register_decoder(torch::Library& m) {
   m.class_<Decoder>("Decoder")
-      .def(torch::init<int64_t, int64_t, int64_t, int64_t, int64_t, double>())
+      .def(torch::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, bool, bool>())
       .def("add_layer", &Decoder::add_layer)
       .def("set_linear", &Decoder::set_linear)
       .def("set_dense", &Decoder::set_dense)

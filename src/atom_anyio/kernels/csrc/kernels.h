@@ -1,5 +1,5 @@
 // The kernels' entry points across files: the torch ops that registry.cpp
-// registers (atom::op), the settings it keeps, and the float32 entry points on
+// registers (atom::op), and the float32 entry points on
 // raw pointers for the fused decoder (decoder.cpp), which run the same code as
 // the torch ops of ops.cpp, quant.cpp and paged_attention.cpp, so a fused
 // forward equals the op-by-op one bit for bit.
@@ -17,10 +17,9 @@ class Library;
 
 namespace atom {
 
-// registry.cpp: whether the native variants run (set_native_kernels), read by every kernel that has one
-bool native_kernels_enabled();
-// registry.cpp: whether bfloat16 attention takes the AMX tiles where built and lent (set_amx_kernels)
-bool amx_kernels_enabled();
+// Which variants run comes with each call, from the model's plan (models/plan.py): `native`, the native
+// variants where built (false: their portable twins, cpu_native_kernels), and `amx`, bfloat16 attention on
+// the AMX tiles where built and lent (false: the AVX512-BF16 variant, as without AMX; cpu_amx).
 
 // decoder.cpp: the Decoder class and its methods, into the library; why the layer loop cannot run a
 // model of this shape, or ""
@@ -28,20 +27,20 @@ void register_decoder(torch::Library& m);
 std::string decoder_unsupported_shape(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim,
                                       int64_t intermediate);
 
-// ops.cpp: rows of n floats, contiguous
-void rms_norm_f32(float* out, const float* x, const float* w, int64_t rows, int64_t n, float eps);
-void add_rms_norm_f32(float* x, float* residual, const float* w, int64_t rows, int64_t n, float eps);
-void silu_and_mul_f32(float* out, const float* x, int64_t rows, int64_t n);
+// ops.cpp: rows of n floats, contiguous; native: the sixteen-lane variant where built
+void rms_norm_f32(float* out, const float* x, const float* w, int64_t rows, int64_t n, float eps, bool native);
+void add_rms_norm_f32(float* x, float* residual, const float* w, int64_t rows, int64_t n, float eps, bool native);
+void silu_and_mul_f32(float* out, const float* x, int64_t rows, int64_t n, bool native);
 void rotary_f32(float* q, int64_t q_stride, int64_t q_heads, float* k, int64_t k_stride, int64_t k_heads,
-                int64_t tokens, int64_t D, const float* cos, const float* sin);
+                int64_t tokens, int64_t D, const float* cos, const float* sin, bool native);
 // the same four over bfloat16 rows (the torch ops' bfloat16 instances)
 void rms_norm_bf16(c10::BFloat16* out, const c10::BFloat16* x, const c10::BFloat16* w, int64_t rows, int64_t n,
-                   float eps);
+                   float eps, bool native);
 void add_rms_norm_bf16(c10::BFloat16* x, c10::BFloat16* residual, const c10::BFloat16* w, int64_t rows, int64_t n,
-                       float eps);
-void silu_and_mul_bf16(c10::BFloat16* out, const c10::BFloat16* x, int64_t rows, int64_t n);
+                       float eps, bool native);
+void silu_and_mul_bf16(c10::BFloat16* out, const c10::BFloat16* x, int64_t rows, int64_t n, bool native);
 void rotary_bf16(c10::BFloat16* q, int64_t q_stride, int64_t q_heads, c10::BFloat16* k, int64_t k_stride,
-                 int64_t k_heads, int64_t tokens, int64_t D, const float* cos, const float* sin);
+                 int64_t k_heads, int64_t tokens, int64_t D, const float* cos, const float* sin, bool native);
 // out [M, N] = x [M, K] W^T (+ bias), M in 1..4, W float32 [N, K]
 void gemv_f32(float* out, const float* x, int64_t M, int64_t K, const float* w, int64_t N, const float* bias);
 
@@ -64,13 +63,13 @@ namespace atom::op {
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start,
                      int64_t block_size, double scale, int64_t sliding_window, const c10::optional<at::Tensor>& sinks,
-                     int64_t partition = 0);
+                     int64_t partition, bool native, bool amx);
 
 // ops.cpp
-void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, double eps);
-void add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& w, double eps);
-void silu_and_mul(at::Tensor& out, const at::Tensor& x);
-void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin);
+void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, double eps, bool native);
+void add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& w, double eps, bool native);
+void silu_and_mul(at::Tensor& out, const at::Tensor& x, bool native);
+void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin, bool native);
 void gemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b);
 void store_kv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
               const at::Tensor& slot_mapping);

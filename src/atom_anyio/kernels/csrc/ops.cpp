@@ -14,7 +14,8 @@
 // ("elementwise_avx512"): sixteen lanes in place of eight, each lane computed
 // by the same operations in the same order, so it equals the portable twin
 // bit for bit (tests/models/test_kernels.py). float32 and bfloat16 rows take
-// it; float16 keeps the portable code.
+// it when the op's `native` is true (the model's plan: cpu_native_kernels);
+// float16 keeps the portable code.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -94,7 +95,7 @@ constexpr bool WIDE = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat1
 #endif
 
 template <typename T>
-void rms_norm_row(const T* x, const T* w, T* out, int64_t n, float eps) {
+void rms_norm_row(const T* x, const T* w, T* out, int64_t n, float eps, bool native) {
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t i = 0; i < n; ++i) sum += float(x[i]) * float(x[i]);
@@ -102,7 +103,7 @@ void rms_norm_row(const T* x, const T* w, T* out, int64_t n, float eps) {
   // the reference rounds the normalised row to the model dtype before the weight
   int64_t i = 0;
 #ifdef ATOM_ELEMENTWISE_AVX512
-  if constexpr (WIDE<T>) if (native_kernels_enabled())
+  if constexpr (WIDE<T>) if (native)
     for (; i + 16 <= n; i += 16)
       store16_as(out + i, mul(load16_as_float(w + i), round16_as<T>(mul(load16_as_float(x + i), splat16(inv)))));
 #endif
@@ -112,44 +113,45 @@ void rms_norm_row(const T* x, const T* w, T* out, int64_t n, float eps) {
 }
 
 template <typename T>
-void rms_norm_rows(T* op, const T* xp, const T* wp, int64_t rows, int64_t n, float eps) {
+void rms_norm_rows(T* op, const T* xp, const T* wp, int64_t rows, int64_t n, float eps, bool native) {
   at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) rms_norm_row(xp + r * n, wp, op + r * n, n, eps);
+    for (int64_t r = b; r < e; ++r) rms_norm_row(xp + r * n, wp, op + r * n, n, eps, native);
   });
 }
 
 template <typename T>
-void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, double eps) {
+void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, double eps, bool native) {
   const int64_t n = x.size(-1);
-  rms_norm_rows(out.data_ptr<T>(), x.data_ptr<T>(), w.data_ptr<T>(), x.numel() / n, n, float(eps));
+  rms_norm_rows(out.data_ptr<T>(), x.data_ptr<T>(), w.data_ptr<T>(), x.numel() / n, n, float(eps), native);
 }
 
 template <typename T>
-void add_rms_norm_rows(T* xp, T* rp, const T* wp, int64_t rows, int64_t n, float eps) {
+void add_rms_norm_rows(T* xp, T* rp, const T* wp, int64_t rows, int64_t n, float eps, bool native) {
   at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       T* xr = xp + r * n;
       T* rr = rp + r * n;
       int64_t i = 0;
 #ifdef ATOM_ELEMENTWISE_AVX512
-      if constexpr (WIDE<T>) if (native_kernels_enabled())
+      if constexpr (WIDE<T>) if (native)
         for (; i + 16 <= n; i += 16) store16_as(rr + i, add(load16_as_float(rr + i), load16_as_float(xr + i)));
 #endif
       for (; i + 8 <= n; i += 8) store_as(rr + i, add(load_as_float(rr + i), load_as_float(xr + i)));
       for (; i < n; ++i) rr[i] = T(float(rr[i]) + float(xr[i]));
-      rms_norm_row(rr, wp, xr, n, eps);
+      rms_norm_row(rr, wp, xr, n, eps, native);
     }
   });
 }
 
 template <typename T>
-void add_rms_norm_impl(at::Tensor& x, at::Tensor& residual, const at::Tensor& w, double eps) {
+void add_rms_norm_impl(at::Tensor& x, at::Tensor& residual, const at::Tensor& w, double eps, bool native) {
   const int64_t n = x.size(-1);
-  add_rms_norm_rows(x.data_ptr<T>(), residual.data_ptr<T>(), w.data_ptr<T>(), x.numel() / n, n, float(eps));
+  add_rms_norm_rows(x.data_ptr<T>(), residual.data_ptr<T>(), w.data_ptr<T>(), x.numel() / n, n, float(eps),
+                    native);
 }
 
 template <typename T>
-void silu_and_mul_rows(T* op, const T* xp, int64_t rows, int64_t n) {
+void silu_and_mul_rows(T* op, const T* xp, int64_t rows, int64_t n, bool native) {
   at::parallel_for(0, rows, 4, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       const T* gate = xp + r * 2 * n;
@@ -157,7 +159,7 @@ void silu_and_mul_rows(T* op, const T* xp, int64_t rows, int64_t n) {
       T* o = op + r * n;
       int64_t i = 0;
 #ifdef ATOM_ELEMENTWISE_AVX512
-      if constexpr (WIDE<T>) if (native_kernels_enabled())
+      if constexpr (WIDE<T>) if (native)
         for (; i + 16 <= n; i += 16) {
           const V16 g = load16_as_float(gate + i);
           const V16 silu = div(g, add(splat16(1.f), exp(sub(splat16(0.f), g))));
@@ -175,15 +177,16 @@ void silu_and_mul_rows(T* op, const T* xp, int64_t rows, int64_t n) {
 }
 
 template <typename T>
-void silu_and_mul_impl(at::Tensor& out, const at::Tensor& x) {
+void silu_and_mul_impl(at::Tensor& out, const at::Tensor& x, bool native) {
   const int64_t n = out.size(-1);
   TORCH_CHECK(n % 8 == 0, "silu_and_mul: the width must be a multiple of 8");
-  silu_and_mul_rows(out.data_ptr<T>(), x.data_ptr<T>(), out.numel() / n, n);
+  silu_and_mul_rows(out.data_ptr<T>(), x.data_ptr<T>(), out.numel() / n, n, native);
 }
 
 // x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin over rows [T, heads, D] with any token stride
 template <typename T>
-void rotate(T* x, int64_t token_stride, int64_t heads, int64_t D, const float* cos, const float* sin, int64_t t) {
+void rotate(T* x, int64_t token_stride, int64_t heads, int64_t D, const float* cos, const float* sin, int64_t t,
+            bool native) {
   const int64_t half = D / 2;
   const float* c = cos + t * half;
   const float* s = sin + t * half;
@@ -191,7 +194,7 @@ void rotate(T* x, int64_t token_stride, int64_t heads, int64_t D, const float* c
     T* row = x + t * token_stride + h * D;
     int64_t i = 0;
 #ifdef ATOM_ELEMENTWISE_AVX512
-    if constexpr (WIDE<T>) if (native_kernels_enabled())
+    if constexpr (WIDE<T>) if (native)
       for (; i + 16 <= half; i += 16) {
         const V16 x1 = load16_as_float(row + i), x2 = load16_as_float(row + i + half);
         const V16 ci = {_mm512_loadu_ps(c + i)}, si = {_mm512_loadu_ps(s + i)};
@@ -213,19 +216,19 @@ void rotate(T* x, int64_t token_stride, int64_t heads, int64_t D, const float* c
 
 template <typename T>
 void rotary_rows(T* qp, int64_t q_stride, int64_t q_heads, T* kp, int64_t k_stride, int64_t k_heads, int64_t tokens,
-                 int64_t D, const float* c, const float* s) {
+                 int64_t D, const float* c, const float* s, bool native) {
   at::parallel_for(0, tokens, 8, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
-      rotate(qp, q_stride, q_heads, D, c, s, t);
-      rotate(kp, k_stride, k_heads, D, c, s, t);
+      rotate(qp, q_stride, q_heads, D, c, s, t, native);
+      rotate(kp, k_stride, k_heads, D, c, s, t, native);
     }
   });
 }
 
 template <typename T>
-void rotary_impl(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
+void rotary_impl(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin, bool native) {
   rotary_rows(q.data_ptr<T>(), q.stride(0), q.size(1), k.data_ptr<T>(), k.stride(0), k.size(1), q.size(0), q.size(2),
-              cos.data_ptr<float>(), sin.data_ptr<float>());
+              cos.data_ptr<float>(), sin.data_ptr<float>(), native);
 }
 
 // R consecutive rows of W against the M rows of x; K is a multiple of 8
@@ -263,21 +266,25 @@ void gemv_rows(float* op, const float* xp, int64_t K, const float* wp, int64_t N
 
 template <typename T>
 struct RmsNorm {
-  static void run(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, double eps) {
-    rms_norm_impl<T>(out, x, w, eps);
+  static void run(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, double eps, bool native) {
+    rms_norm_impl<T>(out, x, w, eps, native);
   }
 };
 template <typename T>
 struct AddRmsNorm {
-  static void run(at::Tensor& x, at::Tensor& r, const at::Tensor& w, double eps) { add_rms_norm_impl<T>(x, r, w, eps); }
+  static void run(at::Tensor& x, at::Tensor& r, const at::Tensor& w, double eps, bool native) {
+    add_rms_norm_impl<T>(x, r, w, eps, native);
+  }
 };
 template <typename T>
 struct SiluAndMul {
-  static void run(at::Tensor& out, const at::Tensor& x) { silu_and_mul_impl<T>(out, x); }
+  static void run(at::Tensor& out, const at::Tensor& x, bool native) { silu_and_mul_impl<T>(out, x, native); }
 };
 template <typename T>
 struct Rotary {
-  static void run(at::Tensor& q, at::Tensor& k, const at::Tensor& c, const at::Tensor& s) { rotary_impl<T>(q, k, c, s); }
+  static void run(at::Tensor& q, at::Tensor& k, const at::Tensor& c, const at::Tensor& s, bool native) {
+    rotary_impl<T>(q, k, c, s, native);
+  }
 };
 
 void check_rows(const at::Tensor& t, const char* name) {
@@ -298,29 +305,29 @@ void gemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const c10::
                  b.has_value() ? b->data_ptr<float>() : nullptr);
 }
 
-void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, double eps) {
+void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, double eps, bool native) {
   check_rows(x, "rms_norm"), check_rows(out, "rms_norm"), check_rows(w, "rms_norm");
-  dispatch<RmsNorm>(x.scalar_type(), "rms_norm", out, x, w, eps);
+  dispatch<RmsNorm>(x.scalar_type(), "rms_norm", out, x, w, eps, native);
 }
 
-void add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& w, double eps) {
+void add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& w, double eps, bool native) {
   check_rows(x, "add_rms_norm"), check_rows(residual, "add_rms_norm"), check_rows(w, "add_rms_norm");
-  dispatch<AddRmsNorm>(x.scalar_type(), "add_rms_norm", x, residual, w, eps);
+  dispatch<AddRmsNorm>(x.scalar_type(), "add_rms_norm", x, residual, w, eps, native);
 }
 
-void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
+void silu_and_mul(at::Tensor& out, const at::Tensor& x, bool native) {
   check_rows(x, "silu_and_mul"), check_rows(out, "silu_and_mul");
   TORCH_CHECK(x.size(-1) == 2 * out.size(-1), "silu_and_mul: x must be twice as wide as out");
-  dispatch<SiluAndMul>(x.scalar_type(), "silu_and_mul", out, x);
+  dispatch<SiluAndMul>(x.scalar_type(), "silu_and_mul", out, x, native);
 }
 
-void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
+void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin, bool native) {
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && k.stride(2) == 1 && k.stride(1) == k.size(2),
               "rotary_embedding: heads of q and k must be contiguous rows");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
                   sin.is_contiguous() && cos.size(-1) * 2 == q.size(2),
               "rotary_embedding: cos and sin must be contiguous float32 [T, head_dim / 2]");
-  dispatch<Rotary>(q.scalar_type(), "rotary_embedding", q, k, cos, sin);
+  dispatch<Rotary>(q.scalar_type(), "rotary_embedding", q, k, cos, sin, native);
 }
 
 // k, v [T, kv_heads, head_dim] (each token's heads contiguous, any token stride: the qkv buffer's
@@ -358,38 +365,40 @@ void store_kv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, con
 
 namespace atom {
 
-void rms_norm_f32(float* out, const float* x, const float* w, int64_t rows, int64_t n, float eps) {
-  rms_norm_rows(out, x, w, rows, n, eps);
+void rms_norm_f32(float* out, const float* x, const float* w, int64_t rows, int64_t n, float eps, bool native) {
+  rms_norm_rows(out, x, w, rows, n, eps, native);
 }
 
-void add_rms_norm_f32(float* x, float* residual, const float* w, int64_t rows, int64_t n, float eps) {
-  add_rms_norm_rows(x, residual, w, rows, n, eps);
+void add_rms_norm_f32(float* x, float* residual, const float* w, int64_t rows, int64_t n, float eps, bool native) {
+  add_rms_norm_rows(x, residual, w, rows, n, eps, native);
 }
 
-void silu_and_mul_f32(float* out, const float* x, int64_t rows, int64_t n) { silu_and_mul_rows(out, x, rows, n); }
+void silu_and_mul_f32(float* out, const float* x, int64_t rows, int64_t n, bool native) {
+  silu_and_mul_rows(out, x, rows, n, native);
+}
 
 void rotary_f32(float* q, int64_t q_stride, int64_t q_heads, float* k, int64_t k_stride, int64_t k_heads,
-                int64_t tokens, int64_t D, const float* cos, const float* sin) {
-  rotary_rows(q, q_stride, q_heads, k, k_stride, k_heads, tokens, D, cos, sin);
+                int64_t tokens, int64_t D, const float* cos, const float* sin, bool native) {
+  rotary_rows(q, q_stride, q_heads, k, k_stride, k_heads, tokens, D, cos, sin, native);
 }
 
 void rms_norm_bf16(c10::BFloat16* out, const c10::BFloat16* x, const c10::BFloat16* w, int64_t rows, int64_t n,
-                   float eps) {
-  rms_norm_rows(out, x, w, rows, n, eps);
+                   float eps, bool native) {
+  rms_norm_rows(out, x, w, rows, n, eps, native);
 }
 
 void add_rms_norm_bf16(c10::BFloat16* x, c10::BFloat16* residual, const c10::BFloat16* w, int64_t rows, int64_t n,
-                       float eps) {
-  add_rms_norm_rows(x, residual, w, rows, n, eps);
+                       float eps, bool native) {
+  add_rms_norm_rows(x, residual, w, rows, n, eps, native);
 }
 
-void silu_and_mul_bf16(c10::BFloat16* out, const c10::BFloat16* x, int64_t rows, int64_t n) {
-  silu_and_mul_rows(out, x, rows, n);
+void silu_and_mul_bf16(c10::BFloat16* out, const c10::BFloat16* x, int64_t rows, int64_t n, bool native) {
+  silu_and_mul_rows(out, x, rows, n, native);
 }
 
 void rotary_bf16(c10::BFloat16* q, int64_t q_stride, int64_t q_heads, c10::BFloat16* k, int64_t k_stride,
-                 int64_t k_heads, int64_t tokens, int64_t D, const float* cos, const float* sin) {
-  rotary_rows(q, q_stride, q_heads, k, k_stride, k_heads, tokens, D, cos, sin);
+                 int64_t k_heads, int64_t tokens, int64_t D, const float* cos, const float* sin, bool native) {
+  rotary_rows(q, q_stride, q_heads, k, k_stride, k_heads, tokens, D, cos, sin, native);
 }
 
 void gemv_f32(float* out, const float* x, int64_t M, int64_t K, const float* w, int64_t N, const float* bias) {

@@ -36,17 +36,17 @@ namespace {
 using namespace atom::attention;
 
 // The variant for a call, picked once, outside the loop: bfloat16 takes the AMX tiles where the
-// build has them, the OS lends them, they are on and the shape fits, else AVX512-BF16 where
-// built; with the native variants off (set_native_kernels), or another element type, the
-// portable code runs (with AVX2's decode scores where built).
+// build has them, the OS lends them, `amx` is on and the shape fits, else AVX512-BF16 where
+// built; with `native` off (the portable twins), or another element type, the portable code
+// runs (with AVX2's decode scores where built).
 template <typename T>
-void run_variant(const Problem<T>& p) {
+void run_variant(const Problem<T>& p, bool native, bool amx) {
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
 #ifdef ATOM_AMX_BF16
-    if (atom::native_kernels_enabled() && atom::amx_kernels_enabled() && Amx::fits(p)) return attention_loop<Amx>(p);
+    if (native && amx && Amx::fits(p)) return attention_loop<Amx>(p);
 #endif
 #ifdef ATOM_AVX512_BF16
-    if (atom::native_kernels_enabled()) return attention_loop<Avx512Bf16>(p);
+    if (native) return attention_loop<Avx512Bf16>(p);
 #endif
   }
 #if defined(__AVX2__) && defined(__FMA__)
@@ -60,7 +60,8 @@ template <typename T>
 struct PagedAttention {
   static void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start,
-                  int64_t block_size, double scale, int64_t sliding_window, const float* sinks, int64_t partition) {
+                  int64_t block_size, double scale, int64_t sliding_window, const float* sinks, int64_t partition,
+                  bool native, bool amx) {
     Problem<T> p;
     p.q = q.data_ptr<T>(), p.k = k_cache.data_ptr<T>(), p.v = v_cache.data_ptr<T>(), p.out = out.data_ptr<T>();
     p.tables = block_tables.data_ptr<int>(), p.lens = seq_lens.data_ptr<int>();
@@ -69,7 +70,7 @@ struct PagedAttention {
     p.B = seq_lens.size(0), p.max_blocks = block_tables.size(1), p.BS = block_size;
     p.slot_stride = int64_t(p.KVH) * p.D;
     p.scale = float(scale), p.window = int(sliding_window), p.partition = int(partition), p.sinks = sinks;
-    run_variant(p);
+    run_variant(p, native, amx);
   }
 };
 
@@ -80,11 +81,13 @@ struct PagedAttention {
 // V read from the paged cache through block_tables. sinks (float32 [H]):
 // one logit per head that joins the softmax denominator only. partition > 0:
 // the keys are split at its multiples whatever the batch, so each row's
-// result is the same bits alone, batched, or in any prefill chunk.
+// result is the same bits alone, batched, or in any prefill chunk. native, amx: which variant runs
+// (run_variant).
 void atom::op::paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                                const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                                const at::Tensor& query_start, int64_t block_size, double scale,
-                               int64_t sliding_window, const c10::optional<at::Tensor>& sinks, int64_t partition) {
+                               int64_t sliding_window, const c10::optional<at::Tensor>& sinks, int64_t partition,
+                               bool native, bool amx) {
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "paged_attention: q, out and the caches must be contiguous");
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "paged_attention: heads must be a multiple of kv heads");
@@ -102,5 +105,6 @@ void atom::op::paged_attention(at::Tensor& out, const at::Tensor& q, const at::T
     sink_logits = sinks->data_ptr<float>();
   }
   atom::dispatch<PagedAttention>(q.scalar_type(), "paged_attention", out, q, k_cache, v_cache, block_tables, seq_lens,
-                                 query_start, block_size, scale, sliding_window, sink_logits, partition);
+                                 query_start, block_size, scale, sliding_window, sink_logits, partition,
+                                 native, amx);
 }

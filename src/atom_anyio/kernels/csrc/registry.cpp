@@ -1,12 +1,12 @@
-// The torch.ops.atom library: every op's schema and CPU implementation, the fused decoder's
-// class (decoder.cpp lists its methods), and the process-wide kernel settings the kernels read
-// (which variants run). kernels/__init__.py is the Python side of the settings.
+// The torch.ops.atom library: every op's schema and CPU implementation, and the fused decoder's
+// class (decoder.cpp lists its methods). Which variants run is no setting of the process: the ops
+// that have native variants take `native` (and the attention `amx`) with each call, from the
+// model's plan (models/plan.py).
 
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include <string>
-#include <tuple>
 #include <vector>
 
 #include "amx.h"
@@ -14,12 +14,6 @@
 #include "vec.h"
 
 namespace {
-
-// whether the native variants run (off: their portable twins, to compare against)
-bool g_native = true;
-// whether bfloat16 attention takes the AMX variant where it is built (off: the AVX512-BF16 one, as on a CPU
-// without AMX)
-bool g_amx = true;
 
 // the variants this build runs beyond the portable (AVX2 or plain) code, by name
 std::vector<std::string> native_kernels() {
@@ -39,46 +33,21 @@ std::vector<std::string> native_kernels() {
   return names;
 }
 
-// turns the native variants on or off (the portable twins run instead); returns the previous setting
-bool set_native_kernels(bool enabled) {
-  const bool before = g_native;
-  g_native = enabled;
-  return before;
-}
-
-// turns the AMX attention on or off (the AVX-512 one runs instead); returns the previous setting
-bool set_amx_kernels(bool enabled) {
-  const bool before = g_amx;
-  g_amx = enabled;
-  return before;
-}
-
-// what set_native_kernels and set_amx_kernels last set
-std::tuple<bool, bool> kernel_settings() { return {g_native, g_amx}; }
-
 }  // namespace
 
-namespace atom {
-bool native_kernels_enabled() { return g_native; }
-bool amx_kernels_enabled() { return g_amx; }
-}  // namespace atom
-
 TORCH_LIBRARY(atom, m) {
-  // the kernel settings
+  // what this build has
   m.def("native_kernels() -> str[]", &native_kernels);
-  m.def("set_native_kernels(bool enabled) -> bool", &set_native_kernels);
-  m.def("set_amx_kernels(bool enabled) -> bool", &set_amx_kernels);
-  m.def("kernel_settings() -> (bool, bool)", &kernel_settings);
   // paged_attention.cpp
   m.def(
       "paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor seq_lens, Tensor query_start, int block_size, float scale, int sliding_window=0, "
-      "Tensor? sinks=None, int partition=0) -> ()");
+      "Tensor seq_lens, Tensor query_start, int block_size, float scale, int sliding_window, "
+      "Tensor? sinks, int partition, bool native, bool amx) -> ()");
   // ops.cpp
-  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
-  m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
-  m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
-  m.def("rotary_embedding(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps, bool native) -> ()");
+  m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps, bool native) -> ()");
+  m.def("silu_and_mul(Tensor(a!) out, Tensor x, bool native) -> ()");
+  m.def("rotary_embedding(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin, bool native) -> ()");
   m.def("gemv(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");
   m.def("store_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
   // quant.cpp

@@ -83,27 +83,31 @@ def select_backend(
     head_dim: int | None = None,
     batch_invariant: bool = False,
     dtype: torch.dtype | None = None,
+    native: bool = True,
+    amx: bool = True,
 ) -> AttentionBackend:
     """The attention backend for ``device``: ``name``, else ``auto``: the first of ``auto_candidates(device)`` that runs there, each
     fallback logged, and on the CPU the prefill path by ``kernel_prefill_reason(dtype)``. An
     explicitly named backend that cannot run is a one-line error, never a silent fallback.
-    ``batch_invariant``: the CPU kernel's invariant form, on the CPU only."""
+    ``batch_invariant``: the CPU kernel's invariant form, on the CPU only. ``native``, ``amx``: the
+    CPU kernel's variants (``CpuPagedAttention``)."""
     name = name or "auto"
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, not {name!r}")
     device = torch.device(device)
+    switches = {"native": native, "amx": amx}
     if batch_invariant:
-        backend = invariant_backend(device, name)
+        backend = invariant_backend(device, name, **switches)
     elif name == "auto":
-        backend = first_that_runs(auto_candidates(device), device, head_dim)
+        backend = first_that_runs(auto_candidates(device), device, head_dim, **switches)
     else:
-        backend = load_backend(name, device, head_dim)
+        backend = load_backend(name, device, head_dim, **switches)
     why = None
     if name == "auto" and isinstance(backend, CpuPagedAttention) and not batch_invariant:
         if why := kernel_prefill_reason(dtype):
-            backend = CpuPagedAttention(paged_prefill=True)
+            backend = CpuPagedAttention(paged_prefill=True, **switches)
         elif why := amx_prefill_reason(dtype):
-            backend = CpuPagedAttention(amx_prefill=True)
+            backend = CpuPagedAttention(amx_prefill=True, **switches)
         else:
             why = "torch's flash SDPA (oneDNN GEMMs) is faster than the kernel's prefill on this CPU and dtype"
     log.info(
@@ -148,7 +152,7 @@ def amx_prefill_reason(dtype: torch.dtype | None) -> str | None:
     return "bfloat16 on AMX: the kernel's tiles prefill a chunk over a cached prefix faster than gather + SDPA"
 
 
-def invariant_backend(device: torch.device, name: str) -> CpuPagedAttention:
+def invariant_backend(device: torch.device, name: str, native: bool = True, amx: bool = True) -> CpuPagedAttention:
     """The batch-invariant backend: the CPU kernel for every row, fixed key partitions, tiled linears."""
     if device.type != "cpu":
         raise ValueError(f"batch_invariant runs on the CPU (the project's own kernels), not on {device}")
@@ -156,18 +160,20 @@ def invariant_backend(device: torch.device, name: str) -> CpuPagedAttention:
         raise ValueError(f"batch_invariant runs on the cpu attention backend, not {name!r}")
     if (error := kernels.load_cpu_kernels()) is not None:
         raise RuntimeError(f"batch_invariant needs the CPU kernels, which are unavailable: {error}")
-    return CpuPagedAttention(batch_invariant=True)
+    return CpuPagedAttention(batch_invariant=True, native=native, amx=amx)
 
 
-def first_that_runs(candidates: tuple[str, ...], device: torch.device, head_dim: int | None) -> AttentionBackend:
+def first_that_runs(
+    candidates: tuple[str, ...], device: torch.device, head_dim: int | None, native: bool = True, amx: bool = True
+) -> AttentionBackend:
     """The first candidate that loads on ``device``, each one that does not logged; the last must load."""
     *fallible, last = candidates
     for candidate in fallible:
         try:
-            return load_backend(candidate, device, head_dim)
+            return load_backend(candidate, device, head_dim, native, amx)
         except (ValueError, RuntimeError) as exc:
             log.warning("attention.fallback", backend=candidate, reason=str(exc))
-    return load_backend(last, device, head_dim)
+    return load_backend(last, device, head_dim, native, amx)
 
 
 def auto_candidates(device: torch.device) -> tuple[str, ...]:
@@ -179,8 +185,11 @@ def auto_candidates(device: torch.device) -> tuple[str, ...]:
     return ("aiter" if torch.version.hip else "flashinfer", "triton", "torch")
 
 
-def load_backend(name: str, device: torch.device, head_dim: int | None = None) -> AttentionBackend:
-    """Backend ``name`` on ``device``; ValueError if it cannot run there, RuntimeError if it is not installed."""
+def load_backend(
+    name: str, device: torch.device, head_dim: int | None = None, native: bool = True, amx: bool = True
+) -> AttentionBackend:
+    """Backend ``name`` on ``device``; ValueError if it cannot run there, RuntimeError if it is not installed.
+    ``native``, ``amx``: the CPU kernel's variants (the other backends have none)."""
     if name == "torch":
         return TorchPagedAttention()
     if name in ("cpu", "cpu_paged"):
@@ -188,7 +197,7 @@ def load_backend(name: str, device: torch.device, head_dim: int | None = None) -
             raise ValueError(f"attention_backend {name!r} runs on the CPU, not on {device}")
         if (error := kernels.load_cpu_kernels()) is not None:
             raise RuntimeError(f"attention_backend {name!r} is unavailable: {error}")
-        return CpuPagedAttention(paged_prefill=name == "cpu_paged")
+        return CpuPagedAttention(paged_prefill=name == "cpu_paged", native=native, amx=amx)
     if name == "triton":
         if (error := triton_unavailable(device, head_dim)) is not None:
             raise ValueError(f"attention_backend 'triton' cannot run: {error}")

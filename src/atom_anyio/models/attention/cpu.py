@@ -27,27 +27,41 @@ class CpuPagedAttention:
     ``batch_invariant``: every row through the kernel, its keys split at fixed multiples of
     ``INVARIANT_PARTITION`` whatever the batch, and the model's linears in fixed tiles
     (``BatchInvariantCpuOps``): a sequence's logits are the same bits alone or batched, in one prefill or
-    in chunks, computed or taken from the prefix cache."""
+    in chunks, computed or taken from the prefix cache.
 
-    def __init__(self, paged_prefill: bool = False, batch_invariant: bool = False, amx_prefill: bool = False):
+    ``native`` and ``amx`` (the model's plan: ``cpu_native_kernels``, ``cpu_amx``) go with every
+    kernel call: the native variants where built, else their portable twins; bfloat16 attention on
+    the AMX tiles where built and lent, else the AVX512-BF16 variant."""
+
+    def __init__(
+        self,
+        paged_prefill: bool = False,
+        batch_invariant: bool = False,
+        amx_prefill: bool = False,
+        native: bool = True,
+        amx: bool = True,
+    ):
         self.paged_prefill = paged_prefill or batch_invariant
         self.batch_invariant = batch_invariant
-        self.batch_invariant_auto = False  # batch_invariant turned on by auto where it costs nothing
-        self.batch_invariant_auto_chosen = False  # auto chose it at load: each engine's Worker decides whether it runs
         # prefill chunks through the kernel while it runs on the AMX tiles (auto's choice for
         # bfloat16 on such a CPU), through SDPA when cpu_amx=false turns them off
         self.amx_prefill = amx_prefill
-        self.ops = BatchInvariantCpuOps if batch_invariant else CpuOps
+        self.native, self.amx = native, amx
+        self.ops = (BatchInvariantCpuOps if batch_invariant else CpuOps)(native)
         self.name = "cpu_paged" if self.paged_prefill else "cpu"
-        self._own_paged_prefill = self.paged_prefill  # what use_auto_batch_invariant(False) goes back to
 
-    def use_auto_batch_invariant(self, enabled: bool) -> None:
+    @property
+    def on_amx_tiles(self) -> bool:
+        """bfloat16 attention in the kernel runs on the AMX tiles (built, lent, and neither switch off)."""
+        return self.native and self.amx and kernels.has_amx_attention()
+
+    def use_auto_batch_invariant(self) -> None:
         """Batch-invariant attention (every row through the kernel, keys split at fixed multiples)
         for a model whose linears already are (every one on the AMX GEMM, which ``CpuOps`` runs at
-        any row count: ``loader.batch_invariant_auto_reason``), or back to this backend's own way."""
-        self.batch_invariant_auto = self.batch_invariant = enabled
-        self.paged_prefill = enabled or self._own_paged_prefill
-        self.name = "cpu_paged" if self.paged_prefill else "cpu"
+        any row count): the loader's one change, at load, where ``batch_invariant`` is auto and
+        ``loader.batch_invariant_auto_reason`` finds it costs nothing."""
+        self.batch_invariant = self.paged_prefill = True
+        self.name = "cpu_paged"
 
     def partition(self, meta: AttentionMetadata) -> int:
         """The kernel's key partition: fixed multiples when batch-invariant, else 0 (its own split)."""
@@ -57,7 +71,7 @@ class CpuPagedAttention:
         """Whether the kernel runs the whole step (what the fused decoder, which has only the kernel, can match)."""
         if self.paged_prefill or meta.num_decode == meta.num_seqs:
             return True
-        if not (self.amx_prefill and kernels.amx_attention_active()):
+        if not (self.amx_prefill and self.on_amx_tiles):
             return False
         # a long fresh prompt: torch's flash SDPA, whose causal blocks are larger, takes the step's
         # chunks (a fresh 2,048 in 9.4 ms a layer against the tiles' 12.8; 555: 1.13 against 1.08)
@@ -86,6 +100,8 @@ class CpuPagedAttention:
                 sliding_window or 0,
                 None if sinks is None else sinks.float().contiguous(),
                 self.partition(meta),
+                self.native,
+                self.amx,
             )
         if in_kernel < meta.num_seqs:
             for chunk in meta.prefill_chunks():

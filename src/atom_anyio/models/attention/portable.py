@@ -23,7 +23,7 @@ class TorchPagedAttention:
     """Portable paged attention on any torch device (CPU, CUDA, ROCm)."""
 
     name = "torch"
-    ops = TorchOps
+    ops = TorchOps()
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, *, sliding_window=None, sinks=None):
         meta.store_kv(k, v, k_cache, v_cache)

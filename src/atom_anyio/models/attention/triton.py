@@ -243,7 +243,7 @@ class TritonPagedAttention:
     keys (None: enough to give every multiprocessor about two programs)."""
 
     name = "triton"
-    ops = TorchOps
+    ops = TorchOps()
 
     def __init__(self, decode_splits: int | None = None, block_n: int | None = None):
         assert decode_splits is None or decode_splits == triton.next_power_of_2(decode_splits)

@@ -51,7 +51,7 @@ def pages(k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int) -> tupl
 
 class FlashInferPagedAttention:
     name = "flashinfer"
-    ops = TorchOps
+    ops = TorchOps()
 
     def __init__(self, device: torch.device):
         import flashinfer
@@ -102,7 +102,7 @@ class FlashInferPagedAttention:
 
 class AiterPagedAttention:
     name = "aiter"
-    ops = TorchOps
+    ops = TorchOps()
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, *, sliding_window=None, sinks=None):
         from aiter.ops.triton.unified_attention import unified_attention
