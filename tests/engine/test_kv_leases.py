@@ -96,7 +96,7 @@ def test_a_full_share_refuses_new_leases_instead_of_evicting_the_held_ones():
     run(bm, turn(history(1, 8), KVLease(key="late")))
     assert len(bm.leases["held"].block_ids) == 8
     assert len(bm.leases["late"].block_ids) == 2  # its leading blocks, as many as the share had room for
-    assert bm.leases["late"].block_ids.keys() == set(bm.match_prefix(turn(history(1, 8)))[:2])
+    assert bm.leases["late"].block_ids.keys() == set(bm.match_prefix(turn(history(1, 8))).blocks[:2])
     run(bm, turn(history(2, 8), KVLease(key="refused")))
     assert "refused" not in bm.leases and bm.num_leased_blocks == 10
 

@@ -10,12 +10,8 @@
 * ``free`` is an LRU of every unleased ref-0 block (cached and empty), oldest first;
   a new block is taken from its head, evicting that block's hash.
 * A finished sequence's cached blocks outlast it under a lease (an agent's history while it runs a
-  tool): keyed to its conversation (``KVLease.key``; none given: the sequence alone), for a TTL
-  (``kv_lease_ttl_s``, or the request's), at most ``kv_lease_fraction`` of the pool. Leases are
-  soft: leased blocks count as free, and when the LRU is empty the lease that expires first goes
-  whole to its head. An expired lease goes there too; a conversation's next lease replaces its
-  last; a full share refuses new leases (their blocks join the LRU), so a cyclic working set
-  larger than the pool keeps part of it whole instead of losing all of it to the LRU.
+  tool; kv_leases.py): leased blocks count as free, and when the LRU is empty the lease that
+  expires first goes whole to its head.
 * A block's hash is set only once all of its tokens' KV has been computed,
   so a hit never reads KV that is still being written.
 * A hit is verified against the block's stored tokens: a hash collision can
@@ -23,6 +19,9 @@
   ``array('i')`` (``block_size`` slots per block), so the metadata of a full
   prefix cache is a fixed ``4 * num_blocks * block_size`` bytes plus one hash
   int and one dict entry per cached block, and nothing the GC has to walk.
+* With a second tier (``kv_tier.TierIndex``), a cached block taken for another use is saved there
+  first, and a prefix that goes on past the pool's hits continues with the tier's: each such
+  block is restored into a fresh pool block (``PrefixHit.tier_slots``) by the step's copies.
 * With ``record_events``, a block's hash being set is a ``BlockStored`` event
   (one per run of consecutive blocks, chained on the block before) and its
   hash being dropped a ``BlockRemoved``: ``take_events`` hands them over once
@@ -31,15 +30,16 @@
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import time
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from atom_anyio.engine import kv_events
 from atom_anyio.engine.block_hash import hash_block
+from atom_anyio.engine.kv_leases import Lease, Leases
+from atom_anyio.engine.kv_tier import TierIndex
 from atom_anyio.engine.sequence import Sequence
 
 
@@ -52,15 +52,15 @@ class Block:
         self.hash: int | None = None
 
 
-class Lease:
-    """A finished conversation's cached blocks, kept until ``expiry``; ``block_ids`` in eviction order."""
+@dataclass
+class PrefixHit:
+    """A prompt's cached prefix: blocks in the pool, then slots of the second tier to restore."""
 
-    __slots__ = ("key", "expiry", "block_ids")
+    blocks: list[int] = field(default_factory=list)
+    tier_slots: list[int] = field(default_factory=list)
 
-    def __init__(self, key: str, expiry: float):
-        self.key = key
-        self.expiry = expiry
-        self.block_ids: dict[int, None] = {}
+    def __len__(self) -> int:
+        return len(self.blocks) + len(self.tier_slots)
 
 
 class BlockManager:
@@ -72,6 +72,7 @@ class BlockManager:
         lease_ttl_s: float = 0.0,  # 0: finished sequences' blocks join the LRU at once
         lease_fraction: float = 0.5,  # of the pool, at most, under leases
         clock: Callable[[], float] = time.monotonic,
+        tier: TierIndex | None = None,  # a second tier that evicted blocks go to (kv_tier.py)
     ):
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -81,14 +82,12 @@ class BlockManager:
         self.num_hit_tokens = 0  # prefix-cache hits since start (a counter for metrics)
         self.num_queried_tokens = 0  # prompt tokens looked up in the prefix cache since start
         self.events: list | None = [kv_events.all_blocks_cleared()] if record_events else None
-        self.lease_ttl_s = lease_ttl_s
-        self.max_leased_blocks = int(num_blocks * lease_fraction)
         self.clock = clock
-        self.leases: dict[str, Lease] = {}  # by conversation key
-        self.lease_of: dict[int, Lease] = {}  # leased block id -> its lease
-        self._expiries: list[tuple[float, int, Lease]] = []  # a heap; entries of replaced leases are skipped
-        self._lease_order = itertools.count()
+        self._leases = Leases(lease_ttl_s, int(num_blocks * lease_fraction), clock, self._to_lru_head)
         self.num_leased_hit_tokens = 0  # prefix-cache hits on leased blocks since start
+        self.tier = tier
+        self.num_tier_hit_tokens = 0  # prompt tokens restored from the tier since start
+        self.num_tier_queried_tokens = 0  # prompt tokens looked up in the tier (past the pool's hits)
 
     @property
     def num_blocks(self) -> int:
@@ -97,11 +96,16 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         """Blocks a sequence can take: the LRU's and the leased ones (leases are soft)."""
-        return len(self.free) + len(self.lease_of)
+        return len(self.free) + len(self._leases)
 
     @property
     def num_leased_blocks(self) -> int:
-        return len(self.lease_of)
+        return len(self._leases)
+
+    @property
+    def leases(self) -> dict[str, Lease]:
+        """The leases by conversation key."""
+        return self._leases.by_key
 
     @property
     def usage(self) -> float:
@@ -112,42 +116,70 @@ class BlockManager:
 
     # prefix cache
 
-    def match_prefix(self, seq: Sequence) -> list[int]:
-        """Block ids of the longest cached prefix of ``seq`` (at least one
-        token is always left to compute, so the last block of a fully cached
-        prompt is recomputed)."""
-        hits: list[int] = []
+    def match_prefix(self, seq: Sequence) -> PrefixHit:
+        """The longest cached prefix of ``seq``: in the pool, then in the tier (at least one token
+        is always left to compute, so the last block of a fully cached prompt is recomputed)."""
+        hits = PrefixHit()
         bs = self.block_size
-        for i, h in enumerate(seq.block_hashes[: (len(seq) - 1) // bs]):
+        hashes = seq.block_hashes[: (len(seq) - 1) // bs]
+        for i, h in enumerate(hashes):
             block_id = self.cached.get(h)
             if block_id is None or self._tokens(block_id) != array("i", seq.token_ids[i * bs : (i + 1) * bs]):
                 break
-            hits.append(block_id)
+            hits.blocks.append(block_id)
+        if self.tier is not None:
+            for i in range(len(hits.blocks), len(hashes)):
+                slot = self.tier.match(hashes[i], seq.token_ids[i * bs : (i + 1) * bs])
+                if slot is None:
+                    break
+                hits.tier_slots.append(slot)
         return hits
 
-    def can_admit(self, seq: Sequence, num_new_tokens: int, hits: list[int]) -> bool:
-        """Enough free blocks for the hit blocks that are free plus the new chunk."""
-        num_hit_free = sum(1 for b in hits if self.blocks[b].ref_count == 0)
-        needed = self.blocks_needed(len(hits) * self.block_size + num_new_tokens) - len(hits)
+    def can_admit(self, seq: Sequence, num_new_tokens: int, hits: PrefixHit) -> bool:
+        """Enough free blocks for the pool's hit blocks that are free plus the tier's and the new chunk."""
+        num_hit_free = sum(1 for b in hits.blocks if self.blocks[b].ref_count == 0)
+        needed = self.blocks_needed(len(hits) * self.block_size + num_new_tokens) - len(hits.blocks)
         return num_hit_free + needed <= self.num_free_blocks
 
-    def admit(self, seq: Sequence, hits: list[int]) -> None:
-        """Take the cached prefix for ``seq``; its compute starts after it."""
+    def admit(self, seq: Sequence, hits: PrefixHit) -> None:
+        """Take the cached prefix for ``seq`` (the tier's blocks restored into fresh ones by the
+        next step's copies, before its forward); its compute starts after it."""
         assert not seq.block_table
-        for block_id in hits:
+        for block_id in hits.blocks:
             block = self.blocks[block_id]
-            if block.ref_count == 0 and block_id in self.lease_of:
-                self._unlease(block_id)
+            if block.ref_count == 0 and block_id in self._leases:
+                self._leases.unlease(block_id)
                 self.num_leased_hit_tokens += self.block_size
             elif block.ref_count == 0:
                 del self.free[block_id]
             block.ref_count += 1
             seq.block_table.append(block_id)
+        if self.tier is not None:
+            self._restore(seq, hits)
         seq.num_computed_tokens = len(hits) * self.block_size
         seq.num_committed_blocks = len(hits)
         seq.num_cached_tokens = max(seq.num_cached_tokens, seq.num_computed_tokens)
-        self.num_hit_tokens += seq.num_computed_tokens
+        self.num_hit_tokens += len(hits.blocks) * self.block_size  # the pool's (the tier's: num_tier_hit_tokens)
         self.num_queried_tokens += len(seq)
+
+    def _restore(self, seq: Sequence, hits: PrefixHit) -> None:
+        """The tier's hit blocks into fresh pool blocks, cached under their hashes at once (the
+        copies run before any forward that reads them)."""
+        bs, first = self.block_size, len(hits.blocks)
+        self.num_tier_queried_tokens += len(seq) - first * bs
+        self.num_tier_hit_tokens += len(hits.tier_slots) * bs
+        self.tier.pin(hits.tier_slots)  # the blocks taken below may save others to the tier: not into these
+        for i, slot in enumerate(hits.tier_slots, start=first):
+            block_id = self._take_fresh()
+            block = self.blocks[block_id]
+            block.ref_count = 1
+            block.hash = h = seq.block_hashes[i]
+            self.block_tokens[block_id * bs : (block_id + 1) * bs] = array("i", seq.token_ids[i * bs : (i + 1) * bs])
+            self.cached[h] = block_id
+            self.tier.load(slot, block_id)
+            seq.block_table.append(block_id)
+        if self.events is not None and hits.tier_slots:
+            self._record_stored(seq, list(range(first, len(hits))))
 
     def _tokens(self, block_id: int) -> array:
         return self.block_tokens[block_id * self.block_size : (block_id + 1) * self.block_size]
@@ -162,15 +194,22 @@ class BlockManager:
     def grow(self, seq: Sequence, num_new_tokens: int) -> None:
         """Give ``seq`` slots for its next ``num_new_tokens`` tokens."""
         for _ in range(self.num_blocks_to_grow(seq, num_new_tokens)):
-            block_id = self._take()
-            block = self.blocks[block_id]
-            if block.hash is not None:
-                del self.cached[block.hash]
-                if self.events is not None:
-                    self.events.append(kv_events.block_removed(block.hash))
-                block.hash = None
-            block.ref_count = 1
+            block_id = self._take_fresh()
+            self.blocks[block_id].ref_count = 1
             seq.block_table.append(block_id)
+
+    def _take_fresh(self) -> int:
+        """A block to write: taken as ``_take`` chooses, its hash (if any) evicted, to the tier when there is one."""
+        block_id = self._take()
+        block = self.blocks[block_id]
+        if block.hash is not None:
+            if self.tier is not None:
+                self.tier.save(block.hash, self._tokens(block_id), block_id)
+            del self.cached[block.hash]
+            if self.events is not None:
+                self.events.append(kv_events.block_removed(block.hash))
+            block.hash = None
+        return block_id
 
     def shrink(self, seq: Sequence) -> None:
         """Free the blocks past ``seq``'s tokens: they held only a rejected draft's KV (never
@@ -219,8 +258,13 @@ class BlockManager:
                 start = k
 
     def take_events(self) -> list:
-        """The events since the last call (empty when not recording)."""
+        """The events since the last call (empty when not recording): the pool's, then the tier's."""
         events, self.events = self.events, [] if self.events is not None else None
+        if events is not None and self.tier is not None:
+            stored, removed = self.tier.take_events()
+            medium = self.tier.medium
+            events += [kv_events.block_stored([h], None, list(tokens), self.block_size, medium) for h, tokens in stored]
+            events += [kv_events.block_removed(h, medium) for h in removed]
         return events or []
 
     def free_seq(self, seq: Sequence, lease: bool = False) -> None:
@@ -233,14 +277,9 @@ class BlockManager:
             assert block.ref_count >= 0
             if block.ref_count == 0:
                 freed.append(block_id)
-        held = self._new_lease(seq) if lease and freed else None
-        if held is not None:  # the leading cached blocks, as many as the share has room for
-            room = self.max_leased_blocks - len(self.lease_of)
-            kept = [b for b in freed if self.blocks[b].hash is not None][:room]
-            for block_id in reversed(kept):  # the tail first out
-                held.block_ids[block_id] = None
-                self.lease_of[block_id] = held
-            freed = [b for b in freed if b not in held.block_ids]
+        if lease and freed:
+            held = self._leases.hold(seq, [b for b in freed if self.blocks[b].hash is not None])
+            freed = [b for b in freed if b not in held]
         # the tail first, so the LRU evicts a prompt's last blocks before its first
         for block_id in reversed(freed):
             self.free[block_id] = None
@@ -248,56 +287,16 @@ class BlockManager:
         seq.num_computed_tokens = 0
         seq.num_committed_blocks = 0
 
-    # leases
-
-    def _new_lease(self, seq: Sequence) -> Lease | None:
-        """The lease for ``seq``'s blocks (its conversation's last one replaced), or None: leases
-        are off, the request asked for none, or the share is full."""
-        self._expire()
-        ttl = self.lease_ttl_s if seq.lease.ttl_s is None else seq.lease.ttl_s
-        key = seq.lease.key or f"seq:{seq.seq_id}"
-        if (old := self.leases.get(key)) is not None:
-            self._release(old)
-        if ttl <= 0 or len(self.lease_of) >= self.max_leased_blocks:
-            return None
-        lease = self.leases[key] = Lease(key, self.clock() + ttl)
-        heapq.heappush(self._expiries, (lease.expiry, next(self._lease_order), lease))
-        return lease
-
     def _take(self) -> int:
         """A block for a sequence: the LRU's oldest, else one of the lease that expires first."""
-        self._expire()
+        self._leases.expire()
         while not self.free:
-            self._release(self._earliest_lease())
+            self._leases.release_earliest()
         block_id, _ = self.free.popitem(last=False)
         return block_id
 
-    def _expire(self) -> None:
-        now = self.clock()
-        while self._expiries and self._expiries[0][0] <= now:
-            _, _, lease = heapq.heappop(self._expiries)
-            if self.leases.get(lease.key) is lease:
-                self._release(lease)
-
-    def _earliest_lease(self) -> Lease:
-        while True:
-            lease = self._expiries[0][2]
-            if self.leases.get(lease.key) is lease:
-                return lease
-            heapq.heappop(self._expiries)
-
-    def _release(self, lease: Lease) -> None:
-        """The lease's blocks to the LRU's head, first out, in its order."""
-        del self.leases[lease.key]
-        for block_id in reversed(lease.block_ids):
-            del self.lease_of[block_id]
+    def _to_lru_head(self, block_ids: list[int]) -> None:
+        """A released lease's blocks, first out in its order."""
+        for block_id in reversed(block_ids):
             self.free[block_id] = None
             self.free.move_to_end(block_id, last=False)
-        lease.block_ids.clear()
-
-    def _unlease(self, block_id: int) -> None:
-        """A leased block hit by its conversation's next turn (or another prompt sharing it)."""
-        lease = self.lease_of.pop(block_id)
-        del lease.block_ids[block_id]
-        if not lease.block_ids:
-            del self.leases[lease.key]

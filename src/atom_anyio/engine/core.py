@@ -31,12 +31,13 @@ from atom_anyio.engine.detokenizer import IncrementalDetokenizer
 from atom_anyio.engine.engine_config import EngineConfig
 from atom_anyio.engine.in_flight import InFlight
 from atom_anyio.engine.kv_events import KVEventPublisher
+from atom_anyio.engine.kv_tier import MEDIUM_CPU, MEDIUM_DISK, TierIndex, num_tier_slots
 from atom_anyio.engine.output_processor import OutputProcessor, StepsFailing
 from atom_anyio.engine.request import EngineRequest
 from atom_anyio.engine.scheduler import ScheduledBatch, Scheduler
 from atom_anyio.engine.sequence import Sequence, num_alive
 from atom_anyio.engine.speculative import Speculator
-from atom_anyio.engine.stats import EngineStats, SpecStats
+from atom_anyio.engine.stats import EngineStats, SpecStats, TierStats
 from atom_anyio.engine.step import StepInput, StepOutput, build_step
 from atom_anyio.engine.stream import DeltaStream
 from atom_anyio.engine.tp_workers import TensorParallelWorker
@@ -65,12 +66,16 @@ class Engine:
         per_block = kv_bytes_per_token(loaded.model, param.dtype) * cfg.block_size
         num_blocks = cfg.num_kv_blocks or self._num_pool_blocks(per_block, kv_pool_bytes(cfg, loaded.model))
         self.kv_events = KVEventPublisher(cfg.kv_events) if cfg.kv_events else None  # runs with run()
+        device = next(loaded.model.parameters()).device
+        tier_slots = num_tier_slots(cfg.kv_offloading_size, per_block) if cfg.enable_prefix_caching else 0
+        medium = MEDIUM_CPU if device.type == "cuda" else MEDIUM_DISK
         self.block_manager = BlockManager(
             num_blocks,
             cfg.block_size,
             record_events=self.kv_events is not None,
             lease_ttl_s=cfg.kv_lease_ttl_s,
             lease_fraction=cfg.kv_lease_fraction,
+            tier=TierIndex(tier_slots, cfg.block_size, medium, self.kv_events is not None) if tier_slots else None,
         )
         self.speculator = _speculator(cfg, loaded)
         self.scheduler = Scheduler(
@@ -84,7 +89,15 @@ class Engine:
         if cfg.tensor_parallel_size > 1:  # rank 0, driving the other ranks' processes
             self.worker = TensorParallelWorker(loaded, num_blocks, cfg)
         else:
-            self.worker = Worker(loaded.model, num_blocks, cfg.block_size, cfg.cpu_threads, decode_graphs=graphs)
+            self.worker = Worker(
+                loaded.model,
+                num_blocks,
+                cfg.block_size,
+                cfg.cpu_threads,
+                decode_graphs=graphs,
+                tier_slots=tier_slots,
+                tier_dir=cfg.kv_offloading_dir,
+            )
         self.outputs = OutputProcessor(
             self.scheduler,
             self.block_manager,
@@ -109,6 +122,8 @@ class Engine:
             gib=round(num_blocks * per_block / 2**30, 3),
             max_model_len=self.max_model_len,
             huge_pages=self.worker.kv_huge_pages,
+            tier_blocks=tier_slots,
+            tier_gib=round(tier_slots * per_block / 2**30, 3),
         )
 
     def _num_pool_blocks(self, bytes_per_block: int, pool_bytes: int) -> int:
@@ -166,6 +181,16 @@ class Engine:
             num_preemptions=sched.num_preemptions,
             num_sequences_alive=num_alive(),
             num_kv_events_dropped=None if self.kv_events is None else self.kv_events.num_dropped,
+            tier=None
+            if (tier := bm.tier) is None
+            else TierStats(
+                tier.num_slots,
+                len(tier),
+                tier.num_saved_blocks,
+                tier.num_restored_blocks,
+                bm.num_tier_queried_tokens,
+                bm.num_tier_hit_tokens,
+            ),
             spec=None
             if spec is None
             else SpecStats(

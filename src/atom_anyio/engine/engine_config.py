@@ -31,6 +31,12 @@ class EngineConfig:
         "running a tool), before the LRU takes them; a request's hints set its own; 0: off (docs/engine.md)",
     )
     kv_lease_fraction: float = setting(0.5, "the share of the KV pool that leases may hold at most")
+    kv_offloading_size: float = setting(
+        0.0,
+        "GiB of a second KV tier: blocks evicted from the pool are copied there and prefix hits restored from it "
+        "(vLLM's --kv-offloading-size); on the CPU a file on local disk, on a GPU pinned host memory; 0: off",
+    )
+    kv_offloading_dir: str | None = setting(None, "the directory of the CPU tier's file (default: the temp dir)")
     max_consecutive_step_failures: int = setting(3, "failed model steps in a row before the engine is unhealthy")
     max_pending_deltas: int = setting(64, "unread deltas per request; past it a slow reader's deltas are merged")
     # the forward leaves the GIL, and on the 2-core VM two threads served 1.6x the output of one at c16
@@ -85,6 +91,12 @@ class EngineConfig:
                 f"kv_lease_fraction must be in [0, 1] and kv_lease_ttl_s at least 0, not "
                 f"{self.kv_lease_fraction} and {self.kv_lease_ttl_s}"
             )
+        if self.kv_offloading_size < 0:
+            raise ValueError(f"kv_offloading_size must be at least 0, not {self.kv_offloading_size}")
+        if self.kv_offloading_size and self.tensor_parallel_size > 1:
+            raise ValueError("kv_offloading_size runs with tensor_parallel_size 1 only")
+        if self.kv_offloading_dir is not None and not os.path.isdir(self.kv_offloading_dir):
+            raise ValueError(f"kv_offloading_dir {self.kv_offloading_dir!r} is not a directory")
         if self.kv_cache_gib <= 0:
             raise ValueError(f"kv_cache_gib must be positive, not {self.kv_cache_gib}")
 

@@ -125,7 +125,9 @@ if msgspec is not None:
         events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
-def block_stored(hashes: list[int], parent: int | None, token_ids: list[int], block_size: int) -> BlockStored:
+def block_stored(
+    hashes: list[int], parent: int | None, token_ids: list[int], block_size: int, medium: str = MEDIUM
+) -> BlockStored:
     """Consecutive full blocks of one sequence, ``parent`` the hash before the first (None: the prompt's start).
     Hashes go out as vLLM's integer form carries them: unsigned 64-bit."""
     return BlockStored(
@@ -134,15 +136,15 @@ def block_stored(hashes: list[int], parent: int | None, token_ids: list[int], bl
         token_ids=token_ids,
         block_size=block_size,
         lora_id=None,
-        medium=MEDIUM,
+        medium=medium,
         lora_name=None,
         group_idx=0,
         kv_cache_spec_kind=SPEC_KIND,
     )
 
 
-def block_removed(h: int) -> BlockRemoved:
-    return BlockRemoved(block_hashes=[h & U64], medium=MEDIUM, group_idx=0)
+def block_removed(h: int, medium: str = MEDIUM) -> BlockRemoved:
+    return BlockRemoved(block_hashes=[h & U64], medium=medium, group_idx=0)
 
 
 def all_blocks_cleared() -> AllBlocksCleared:

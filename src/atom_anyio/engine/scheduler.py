@@ -22,7 +22,7 @@ import contextlib
 from collections import deque
 from dataclasses import dataclass, field
 
-from atom_anyio.engine.block_manager import BlockManager
+from atom_anyio.engine.block_manager import BlockManager, PrefixHit
 from atom_anyio.engine.logits_processors import has_penalty
 from atom_anyio.engine.sequence import Sequence, Status
 from atom_anyio.engine.speculative import Speculator
@@ -34,6 +34,10 @@ class ScheduledBatch:
     num_tokens: list[int] = field(default_factory=list)
     num_preempted: int = 0
     drafts: dict[int, list[int]] = field(default_factory=dict)  # by seq_id: tokens verified after its last
+    # the second tier's copies this step runs before its forward (kv_tier.py): (pool block, slot)
+    # saves, then (slot, pool block) loads
+    kv_saves: list[tuple[int, int]] = field(default_factory=list)
+    kv_loads: list[tuple[int, int]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -100,7 +104,9 @@ class Scheduler:
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.num_preempted:
             seq = self.waiting[0]
-            hits = self.bm.match_prefix(seq) if self.prefix_caching and not seq.computes_prompt_logprobs else []
+            hits = (
+                self.bm.match_prefix(seq) if self.prefix_caching and not seq.computes_prompt_logprobs else PrefixHit()
+            )
             n = min(len(seq) - len(hits) * self.bm.block_size, budget)
             if not self.bm.can_admit(seq, n, hits):
                 break
@@ -113,6 +119,8 @@ class Scheduler:
             batch.num_tokens.append(n)
             budget -= n
         self._decodes_first(batch)
+        if self.bm.tier is not None:
+            batch.kv_saves, batch.kv_loads = self.bm.tier.take_transfers()
         return batch
 
     def _draft(self, seq: Sequence, budget: int) -> list[int]:

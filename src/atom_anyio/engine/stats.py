@@ -17,6 +17,18 @@ class SpecStats:
 
 
 @dataclass(frozen=True)
+class TierStats:
+    """The KV cache's second tier (kv_tier.py); token counters since start."""
+
+    num_blocks: int
+    num_used_blocks: int
+    num_saved_blocks: int
+    num_restored_blocks: int
+    num_queried_tokens: int  # prompt tokens looked up there (past the pool's hits)
+    num_hit_tokens: int  # prompt tokens restored from there
+
+
+@dataclass(frozen=True)
 class EngineStats:
     num_running: int  # sequences in the running batch
     num_scheduled_waiting: int  # sequences in the scheduler's waiting queue
@@ -32,3 +44,4 @@ class EngineStats:
     num_sequences_alive: int  # Sequence objects alive in the process
     num_kv_events_dropped: int | None  # None: no KV events configured
     spec: SpecStats | None  # None: no speculation configured
+    tier: TierStats | None = None  # None: no second KV tier

@@ -46,6 +46,10 @@ class StepInput:
     # speculative decoding, one per sample row when any sequence has a draft (else empty): the draft
     # tokens after its last input; the sampling inputs then have one row per position (1 + draft)
     draft_token_ids: list[list[int]] = field(default_factory=list)
+    # the KV cache's second tier (kv_tier.py), run before the forward: (pool block, slot) saves,
+    # then (slot, pool block) loads
+    kv_saves: list[tuple[int, int]] = field(default_factory=list)
+    kv_loads: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -106,6 +110,8 @@ def build_step(
         prompt_rows=prompt_rows,
         prev_tokens=prev_tokens,
         draft_token_ids=drafts,
+        kv_saves=batch.kv_saves,
+        kv_loads=batch.kv_loads,
     )
 
 

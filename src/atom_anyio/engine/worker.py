@@ -22,6 +22,7 @@ from atom_anyio import kernels
 from atom_anyio.engine.cuda_graphs import DecodeGraphs
 from atom_anyio.engine.engine_config import EngineConfig
 from atom_anyio.engine.grammar import apply_bitmask
+from atom_anyio.engine.kv_tier import TierStore
 from atom_anyio.engine.sampler import INVALID_TOKEN, MIN_LOGPROB, Sampler
 from atom_anyio.engine.speculative import draft_positions, verify
 from atom_anyio.engine.step import PromptRows, StepInput, StepOutput
@@ -79,6 +80,8 @@ class Worker:
         block_size: int,
         num_threads: int = 1,
         decode_graphs: tuple[int, int] | None = None,  # (max_model_len, max_num_seqs): see cuda_graphs.py
+        tier_slots: int = 0,  # blocks of the KV cache's second tier (kv_tier.py); 0: none
+        tier_dir: str | None = None,  # where the CPU's tier file goes
     ):
         self.model = model  # as loaded (its plan: models/plan.py); nothing here changes it
         param = next(model.parameters())
@@ -93,6 +96,7 @@ class Worker:
         else:
             self.kv_pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_pool]
+        self.tier = TierStore(tier_slots, self.kv_pool, block_size, tier_dir) if tier_slots else None
         self.block_size = block_size
         self.graphs = None
         if decode_graphs is not None:
@@ -112,6 +116,8 @@ class Worker:
         elif torch.get_num_threads() != self.num_threads:  # OpenMP settings are per thread too
             torch.set_num_threads(self.num_threads)
         t0 = time.perf_counter()
+        if step.kv_saves or step.kv_loads:
+            self.tier.transfer(self.kv_pool, step.kv_saves, step.kv_loads)
         graphs = self.graphs
         one_row_each = not (step.prompt_rows or step.draft_token_ids)
         every_row_samples = len(step.sample_rows) == len(step.query_lens) and one_row_each

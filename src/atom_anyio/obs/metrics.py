@@ -80,6 +80,20 @@ class EngineCollector(Collector):
         yield GaugeMetricFamily(
             "atom_sequences_alive", "Sequence objects alive in the process", value=s.num_sequences_alive
         )
+        if (t := s.tier) is not None:
+            yield GaugeMetricFamily(
+                "atom_kv_tier_blocks_total", "Blocks the second KV tier holds at most", t.num_blocks
+            )
+            yield GaugeMetricFamily("atom_kv_tier_blocks_used", "Blocks in the second KV tier", t.num_used_blocks)
+            yield CounterMetricFamily(
+                "atom_kv_tier_saved_blocks", "Blocks evicted from the pool and saved to the tier", t.num_saved_blocks
+            )
+            yield CounterMetricFamily(
+                "atom_kv_tier_restored_blocks", "Blocks restored from the tier into the pool", t.num_restored_blocks
+            )
+            yield CounterMetricFamily(
+                "atom_prefix_cache_tier_hit_tokens", "Prompt tokens restored from the second tier", t.num_hit_tokens
+            )
         if s.num_kv_events_dropped is not None:
             yield CounterMetricFamily(
                 "atom_kv_events_dropped", "KV event batches dropped (queue full)", value=s.num_kv_events_dropped
@@ -106,6 +120,18 @@ class VllmEngineCollector(Collector):
             family = kind(name, doc, labels=VLLM_LABELS)
             family.add_metric(self.labels, value)
             yield family
+        if (t := s.tier) is not None:  # vLLM counts a KV connector's (its offloading's) hits as external
+            for name, doc, value in (
+                (
+                    "vllm:external_prefix_cache_queries",
+                    "External prefix cache queries, in tokens",
+                    t.num_queried_tokens,
+                ),
+                ("vllm:external_prefix_cache_hits", "External prefix cache hits, in tokens", t.num_hit_tokens),
+            ):
+                family = CounterMetricFamily(name, doc, labels=VLLM_LABELS)
+                family.add_metric(self.labels, value)
+                yield family
         if s.spec is not None:
             yield from self._spec_decode(s.spec)
 

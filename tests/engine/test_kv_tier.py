@@ -1,0 +1,154 @@
+"""The KV cache's second tier (issue 41): a cached block evicted from the pool is saved to a file on
+disk instead of dropped, and a prompt whose prefix goes on past the pool's hits is restored from
+there instead of recomputed: the block manager's bookkeeping alone, then the real engine with a
+tiny model, whose greedy output must not change when its history comes back from the tier."""
+
+from __future__ import annotations
+
+import os
+from array import array
+
+import anyio
+import pytest
+import torch
+
+from atom_anyio.config import Config
+from atom_anyio.engine import kv_events
+from atom_anyio.engine.block_hash import block_hash_chain
+from atom_anyio.engine.block_manager import BlockManager
+from atom_anyio.engine.core import Engine
+from atom_anyio.engine.engine_config import EngineConfig
+from atom_anyio.engine.kv_tier import MEDIUM_DISK, TierIndex, TierStore
+from atom_anyio.engine.request import EngineRequest
+from atom_anyio.engine.sequence import Sequence
+from atom_anyio.sampling_params import SamplingParams
+
+BLOCK_SIZE = 4
+
+
+def turn(tokens: list[int]) -> Sequence:
+    request = EngineRequest(list(tokens), block_hash_chain(tokens, BLOCK_SIZE), SamplingParams(max_tokens=1), 1)
+    return Sequence(request, stream=None, detokenizer=None)
+
+
+def run(bm: BlockManager, tokens: list[int]) -> tuple[int, int]:
+    """Admit ``tokens`` (with its prefix hits), compute and finish it: the blocks hit in the pool and in the tier."""
+    seq = turn(tokens)
+    hits = bm.match_prefix(seq)
+    bm.admit(seq, hits)
+    bm.grow(seq, len(seq) - seq.num_computed_tokens)
+    seq.num_computed_tokens = len(seq)
+    bm.commit(seq)
+    bm.free_seq(seq)
+    return len(hits.blocks), len(hits.tier_slots)
+
+
+def tokens(*ids: int) -> array:
+    return array("i", ids)
+
+
+def prompt(first: int, num_blocks: int) -> list[int]:
+    return list(range(first, first + num_blocks * BLOCK_SIZE + 1))
+
+
+def test_an_evicted_prefix_is_saved_to_the_tier_and_restored_from_it_past_the_pools_hits():
+    tier = TierIndex(64, BLOCK_SIZE, MEDIUM_DISK)
+    bm = BlockManager(10, BLOCK_SIZE, tier=tier)
+    assert run(bm, prompt(0, 8)) == (0, 0)  # 9 blocks of the pool's 10
+    assert tier.take_transfers() == ([], [])
+    assert run(bm, prompt(1000, 6)) == (0, 0)  # 7 blocks: some of the first prompt's cached ones go
+    saves, loads = tier.take_transfers()
+    assert saves and not loads  # each cached block taken was saved to a slot first
+    pool_hits, tier_hits = run(bm, prompt(0, 8))
+    assert tier_hits == len(saves) and pool_hits + tier_hits == 8  # the whole prefix, from one tier or the other
+    _, loads = tier.take_transfers()
+    assert sorted(slot for slot, _ in loads) == sorted(slot for _, slot in saves)
+    assert tier.num_restored_blocks == tier_hits and bm.num_tier_hit_tokens == tier_hits * BLOCK_SIZE
+    assert bm.num_hit_tokens == pool_hits * BLOCK_SIZE  # the pool's own, as vLLM counts its prefix_cache_hits
+    assert run(bm, prompt(0, 8)) == (8, 0)  # restored blocks are the pool's again
+
+
+def test_the_tier_verifies_tokens_and_never_reuses_a_slot_a_pending_load_reads():
+    tier = TierIndex(2, BLOCK_SIZE, MEDIUM_DISK)
+    tier.save(11, tokens(1, 2, 3, 4), block_id=0)
+    tier.save(12, tokens(5, 6, 7, 8), block_id=1)
+    assert tier.match(11, [1, 2, 3, 4]) is not None
+    assert tier.match(11, [1, 2, 3, 5]) is None  # a hash collision never serves another prompt's KV
+    tier.take_transfers()
+    slot = tier.match(11, [1, 2, 3, 4])
+    tier.pin([slot])
+    tier.load(slot, block_id=7)
+    tier.save(13, tokens(9, 9, 9, 9), block_id=2)  # full: the LRU slot that no load reads goes (12's)
+    assert tier.match(12, [5, 6, 7, 8]) is None and tier.match(11, [1, 2, 3, 4]) == slot
+    tier.save(14, tokens(8, 8, 8, 8), block_id=3)  # every slot pinned or just written: 13's goes, 11's stays
+    assert tier.match(11, [1, 2, 3, 4]) == slot
+    saves, loads = tier.take_transfers()
+    assert loads == [(slot, 7)] and all(s != slot for _, s in saves)
+
+
+def test_the_store_copies_whole_blocks_both_ways_through_a_file_it_unlinks(tmp_path):
+    pool = torch.randn(3, 2, 8 * BLOCK_SIZE, 2, 4, dtype=torch.bfloat16)
+    store = TierStore(4, pool, BLOCK_SIZE, str(tmp_path))
+    assert os.listdir(tmp_path) == []  # mapped, then unlinked: nothing outlives the process
+    before = pool.clone()
+    store.transfer(pool, saves=[(1, 0), (5, 3)], loads=[])
+    store.transfer(pool, saves=[], loads=[(0, 6), (3, 2)])
+    blocks = pool.view(3, 2, 8, BLOCK_SIZE, 2, 4)
+    original = before.view(3, 2, 8, BLOCK_SIZE, 2, 4)
+    assert torch.equal(blocks[:, :, 6], original[:, :, 1]) and torch.equal(blocks[:, :, 2], original[:, :, 5])
+    assert torch.equal(blocks[:, :, [0, 1, 3, 4, 5, 7]], original[:, :, [0, 1, 3, 4, 5, 7]])
+
+
+def test_tier_blocks_are_kv_events_on_their_own_medium():
+    tier = TierIndex(1, BLOCK_SIZE, MEDIUM_DISK, record_events=True)
+    bm = BlockManager(3, BLOCK_SIZE, record_events=True, tier=tier)
+    bm.take_events()
+    run(bm, prompt(0, 2))
+    run(bm, prompt(100, 2))  # evicts the first prompt's blocks: one fits in the tier
+    events = bm.take_events()
+    tiered = [type(e) for e in events if e.medium == MEDIUM_DISK]  # one slot: the second save drops the first
+    assert tiered.count(kv_events.BlockStored) == 2 and tiered.count(kv_events.BlockRemoved) == 1
+    assert [type(e) for e in events if e.medium == kv_events.MEDIUM].count(kv_events.BlockRemoved) == 2
+
+
+def test_bad_tier_settings_are_named():
+    with pytest.raises(ValueError, match="kv_offloading_size"):
+        Config.of(kv_offloading_size=-1.0)
+    with pytest.raises(ValueError, match="kv_offloading_dir"):
+        Config.of(kv_offloading_size=1.0, kv_offloading_dir="/no/such/dir")
+    with pytest.raises(ValueError, match="kv_offloading_size runs with tensor_parallel_size 1"):
+        EngineConfig(kv_offloading_size=1.0, tensor_parallel_size=2)
+
+
+async def greedy(engine: Engine, prompts: list[list[int]], max_tokens: int = 8) -> list[tuple[list[int], int]]:
+    """Each prompt's greedy tokens and cached prompt tokens, one after another."""
+    out = []
+    async with anyio.create_task_group() as tg:
+        await tg.start(engine.run)
+        for ids in prompts:
+            params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+            tokens, cached = [], 0
+            async with engine.submit(EngineRequest.of_tokens(ids, params, engine)) as stream:
+                async for d in stream:
+                    tokens += d.token_ids
+                    cached = d.num_cached_tokens
+            out.append((tokens, cached))
+        tg.cancel_scope.cancel()
+    return out
+
+
+@pytest.mark.anyio
+async def test_a_history_restored_from_the_tier_gives_the_same_greedy_tokens(tiny_model, tmp_path):
+    """A 40-block pool, prompts of 24 blocks: the second prompt evicts most of the first, which
+    comes back from the tier (the disk file) and continues exactly as computed afresh."""
+    history = [(7 * i) % 997 + 3 for i in range(24 * 16)]
+    other = [(11 * i) % 991 + 5 for i in range(24 * 16)]
+    small = dict(max_model_len=1024, num_kv_blocks=40, block_size=16)
+    tiered = Engine(tiny_model, EngineConfig(**small, kv_offloading_size=0.01, kv_offloading_dir=str(tmp_path)))
+    (first, _), _, (again, cached) = await greedy(tiered, [history, other, history])
+    stats = tiered.stats().tier
+    assert stats.num_saved_blocks > 0 and stats.num_hit_tokens > 0
+    assert cached == 23 * 16  # every full block of the prompt but the last: the pool's hits, then the tier's
+    fresh = Engine(tiny_model, EngineConfig(**small, enable_prefix_caching=False))
+    ((computed, _),) = await greedy(fresh, [history])
+    assert first == again == computed
