@@ -15,7 +15,7 @@ import anyio
 from atom_anyio.config import env_setting
 from atom_anyio.engine.core import Engine
 from atom_anyio.engine.engine_config import EngineConfig
-from atom_anyio.engine.stream import Delta, Logprob, collect
+from atom_anyio.engine.stream import ChoiceDelta, Logprob, collect
 from atom_anyio.models.loader import LoadedModel, load_planned
 from atom_anyio.models.plan import plan_model
 from atom_anyio.obs.logging import log_to_stderr_by_default
@@ -168,7 +168,7 @@ class LLM:
         bar.update(1)
 
 
-def _output(index: int, d: Delta | None, wants_logprobs: bool) -> CompletionOutput:
+def _output(index: int, d: ChoiceDelta | None, wants_logprobs: bool) -> CompletionOutput:
     if d is None:
         return CompletionOutput(index=index, logprobs=[] if wants_logprobs else None)
     logprobs = (d.logprobs or []) if wants_logprobs else None

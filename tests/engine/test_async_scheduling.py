@@ -27,7 +27,7 @@ from atom_anyio.engine.grammar import Grammars
 from atom_anyio.engine.request import EngineRequest
 from atom_anyio.engine.scheduler import runs_ahead
 from atom_anyio.engine.sequence import Sequence
-from atom_anyio.engine.stream import Delta, collect
+from atom_anyio.engine.stream import ChoiceDelta, collect
 from atom_anyio.sampling_params import SamplingParams, StructuredOutputs
 from atom_anyio.settings import ConfigError
 
@@ -80,9 +80,11 @@ def engine_of(tiny_model, overlapped: bool, **cfg) -> Engine:
     return Engine(tiny_model, EngineConfig(async_scheduling=overlapped, **{"max_model_len": 512, **cfg}))
 
 
-async def run(engine: Engine, items: list[tuple[list[int], SamplingParams]], constraints=None) -> list[list[Delta]]:
+async def run(
+    engine: Engine, items: list[tuple[list[int], SamplingParams]], constraints=None
+) -> list[list[ChoiceDelta]]:
     """Every request at once; each request's choices folded into one delta each."""
-    results: list[list[Delta]] = [[] for _ in items]
+    results: list[list[ChoiceDelta]] = [[] for _ in items]
     constraints = constraints or [None] * len(items)
 
     async def one(i: int) -> None:
@@ -100,7 +102,7 @@ async def run(engine: Engine, items: list[tuple[list[int], SamplingParams]], con
     return results
 
 
-def summary(results: list[list[Delta]]) -> list[list[tuple]]:
+def summary(results: list[list[ChoiceDelta]]) -> list[list[tuple]]:
     """What a client sees of each choice: text, tokens, why it ended, and the usage counts."""
     return [
         [(d.text, d.token_ids, d.finish_reason, d.stop_reason, d.num_output_tokens, d.num_prompt_tokens) for d in r]

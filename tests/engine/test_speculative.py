@@ -26,7 +26,7 @@ from atom_anyio.engine.proposers import SuffixStore, ngram_draft, suffix_draft
 from atom_anyio.engine.request import EngineRequest
 from atom_anyio.engine.sequence import Sequence
 from atom_anyio.engine.speculative import SpeculativeConfig, Speculator, within_grammar
-from atom_anyio.engine.stream import DeltaStream
+from atom_anyio.engine.stream import RequestStream
 from atom_anyio.engine.wind_down import WIND_DOWN_TOKENS
 from atom_anyio.obs.metrics import Metrics
 from atom_anyio.sampling_params import StructuredOutputs
@@ -383,7 +383,7 @@ def test_greedy_equal_at_two_tensor_parallel_ranks(tiny_model_dir, tiny_model, p
 
 def test_a_sequence_whose_drafts_are_rejected_backs_off_and_one_accepted_draft_resets_it(tiny_model):
     spec = Speculator(SpeculativeConfig("ngram", 4, prompt_lookup_min=1))
-    seq = Sequence(EngineRequest([1, 2, 3, 1, 2], [], GREEDY, 40), DeltaStream(4).sender(), None)
+    seq = Sequence(EngineRequest([1, 2, 3, 1, 2], [], GREEDY, 40), RequestStream(4).sender(), None)
     assert spec.propose(seq, 8) == [3, 1, 2]
     waits = []
     for _ in range(3):
@@ -401,9 +401,9 @@ def test_no_draft_while_a_reasoning_budget_may_replace_tokens_or_near_max_tokens
     budgeted = SamplingParams(temperature=0, max_tokens=40, reasoning_budget=8)
     thinking = EngineRequest(prompt, [], budgeted, 40, reasoning_end_ids=(7,))
     assert thinking.reasoning_budget is not None
-    assert spec.propose(Sequence(thinking, DeltaStream(4).sender(), None), 8) == []
-    assert spec.propose(Sequence(EngineRequest(prompt, [], budgeted, 40), DeltaStream(4).sender(), None), 8)
-    near_end = Sequence(EngineRequest(prompt, [], GREEDY, 3), DeltaStream(4).sender(), None)
+    assert spec.propose(Sequence(thinking, RequestStream(4).sender(), None), 8) == []
+    assert spec.propose(Sequence(EngineRequest(prompt, [], budgeted, 40), RequestStream(4).sender(), None), 8)
+    near_end = Sequence(EngineRequest(prompt, [], GREEDY, 3), RequestStream(4).sender(), None)
     assert spec.propose(near_end, 8) == [3, 1]  # two more tokens after the next one, at most
 
 

@@ -14,11 +14,11 @@ from quart import Blueprint
 
 from atom_anyio.api.anthropic_schemas import MessagesInput, MessagesRequest
 from atom_anyio.api.errors import APIError
-from atom_anyio.api.generation import Deltas
+from atom_anyio.api.generation import GenerationStream
 from atom_anyio.api.http import kv_lease, new_id, parse_body, sse
 from atom_anyio.api.runtime import Runtime
 from atom_anyio.api.usage import Usage
-from atom_anyio.engine.stream import Delta, DeltaStream
+from atom_anyio.engine.stream import ChoiceDelta, RequestStream
 from atom_anyio.parse import OutputParser, ParsedDelta, ToolCall, ToolCallDelta
 from atom_anyio.prompt.prepare import PreparedPrompt, tokenize_prompt
 
@@ -77,16 +77,16 @@ class MessageEncoder:
         self.usage = Usage()
         parser = OutputParser(rt.parser_spec, prepared.opens_reasoning, parse_tools=req.parses_tools)
         self.blocks = ContentBlocks(parser, shows_thinking=req.shows_thinking)
-        self.last: Delta | None = None
+        self.last: ChoiceDelta | None = None
 
-    async def response(self, stream: DeltaStream) -> dict[str, Any]:
-        async with Deltas(stream, self.usage, 1) as deltas:
+    async def response(self, stream: RequestStream) -> dict[str, Any]:
+        async with GenerationStream(stream, self.usage, 1) as deltas:
             async for d in deltas:
                 self._fold(d)
         return self.message(self.blocks.content)
 
-    async def events(self, stream: DeltaStream) -> AsyncIterator[str]:
-        async with Deltas(stream, self.usage, 1) as deltas:
+    async def events(self, stream: RequestStream) -> AsyncIterator[str]:
+        async with GenerationStream(stream, self.usage, 1) as deltas:
             async for d in deltas:
                 is_first = self.last is None
                 events = self._fold(d)
@@ -100,7 +100,7 @@ class MessageEncoder:
         yield sse({"type": "message_delta", "delta": delta, "usage": self.usage_json()}, event="message_delta")
         yield sse({"type": "message_stop"}, event="message_stop")
 
-    def _fold(self, d: Delta) -> list[Event]:
+    def _fold(self, d: ChoiceDelta) -> list[Event]:
         """One delta into the blocks; the events it makes (the last closes every block)."""
         self.last = d
         events = self.blocks.feed(d.text)

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 from atom_anyio.api.errors import APIError
 from atom_anyio.api.tracker import Admission, outcome_of
 from atom_anyio.api.usage import Usage
-from atom_anyio.engine.stream import Delta, DeltaStream
+from atom_anyio.engine.stream import ChoiceDelta, RequestStream
 
 
 class GenerationFailed(Exception):
@@ -30,36 +30,36 @@ class Encoder(Protocol):
 
     usage: Usage
 
-    async def response(self, stream: DeltaStream) -> dict[str, Any]:
+    async def response(self, stream: RequestStream) -> dict[str, Any]:
         """The whole response."""
 
-    def events(self, stream: DeltaStream) -> AsyncIterator[str]:
+    def events(self, stream: RequestStream) -> AsyncIterator[str]:
         """The response as SSE events."""
 
     def error_event(self, err: APIError) -> str:
         """The SSE event(s) that end a stream the engine failed."""
 
 
-class Deltas:
+class GenerationStream:
     """A request's deltas as encoders read them: each folded into ``usage``; an error delta
     raises ``GenerationFailed``, and so does the stream ending before every choice finished.
     ``async with`` closes the stream (the engine then aborts what is left)."""
 
-    def __init__(self, stream: DeltaStream, usage: Usage, num_choices: int):
+    def __init__(self, stream: RequestStream, usage: Usage, num_choices: int):
         self.stream = stream
         self.usage = usage
         self.num_unfinished = num_choices
 
-    async def __aenter__(self) -> Deltas:
+    async def __aenter__(self) -> GenerationStream:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         self.stream.close()
 
-    def __aiter__(self) -> Deltas:
+    def __aiter__(self) -> GenerationStream:
         return self
 
-    async def __anext__(self) -> Delta:
+    async def __anext__(self) -> ChoiceDelta:
         try:
             d = await self.stream.__anext__()
         except StopAsyncIteration:
@@ -73,7 +73,7 @@ class Deltas:
         return d
 
 
-async def stream_body(encoder: Encoder, stream: DeltaStream, admission: Admission) -> AsyncIterator[str]:
+async def stream_body(encoder: Encoder, stream: RequestStream, admission: Admission) -> AsyncIterator[str]:
     """An SSE body: the encoder's events, an error event if the engine fails mid-stream,
     then the request is finished (the headers went out with 200 before the body)."""
     outcome = "cancelled"

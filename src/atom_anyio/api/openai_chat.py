@@ -9,12 +9,12 @@ from typing import Any
 from quart import Blueprint
 
 from atom_anyio.api.errors import APIError
-from atom_anyio.api.generation import Deltas, TokenText
+from atom_anyio.api.generation import GenerationStream, TokenText
 from atom_anyio.api.http import kv_lease, new_id, now, parse_body, sse
 from atom_anyio.api.openai_schemas import ChatCompletionRequest
 from atom_anyio.api.runtime import Runtime
 from atom_anyio.api.usage import Usage
-from atom_anyio.engine.stream import Delta, DeltaStream, Logprob, collect
+from atom_anyio.engine.stream import ChoiceDelta, Logprob, RequestStream, collect
 from atom_anyio.parse import OutputParser, ParsedDelta, ToolCall, ToolCallDelta
 from atom_anyio.prompt.prepare import PreparedPrompt, PromptRequest
 
@@ -135,14 +135,14 @@ class ChatEncoder(OpenAIEncoder):
             content.append({"token": text, "logprob": lp.logprob, "bytes": raw, "top_logprobs": top})
         return {"content": content}
 
-    async def response(self, stream: DeltaStream) -> dict[str, Any]:
-        choices = await collect(Deltas(stream, self.usage, self.req.n), self.req.n)
+    async def response(self, stream: RequestStream) -> dict[str, Any]:
+        choices = await collect(GenerationStream(stream, self.usage, self.req.n), self.req.n)
         out = self.envelope([self._choice(c) for c in choices])
         if self.req.prompt_logprobs is not None:  # one prompt: its logprobs once, as vLLM
             out["prompt_logprobs"] = self.vllm_prompt_logprobs(choices[0].prompt_logprobs or [])
         return out
 
-    def _choice(self, c: Delta) -> dict[str, Any]:
+    def _choice(self, c: ChoiceDelta) -> dict[str, Any]:
         parser = self.new_parser()
         parsed = parser.parse_all(c.text, is_cut=c.finish_reason == "length")
         calls = parser.tool_calls
@@ -161,9 +161,9 @@ class ChatEncoder(OpenAIEncoder):
             "stop_reason": c.stop_reason,
         }
 
-    async def events(self, stream: DeltaStream) -> AsyncIterator[str]:
+    async def events(self, stream: RequestStream) -> AsyncIterator[str]:
         parsers: dict[int, OutputParser] = {}  # per choice, created when it starts
-        async with Deltas(stream, self.usage, self.req.n) as deltas:
+        async with GenerationStream(stream, self.usage, self.req.n) as deltas:
             async for d in deltas:
                 if d.index not in parsers:
                     parsers[d.index] = self.new_parser()
@@ -173,7 +173,7 @@ class ChatEncoder(OpenAIEncoder):
         for event in self.usage_chunk_and_done():
             yield event
 
-    def _delta_chunks(self, parser: OutputParser, d: Delta) -> list[dict[str, Any]]:
+    def _delta_chunks(self, parser: OutputParser, d: ChoiceDelta) -> list[dict[str, Any]]:
         """One engine delta of one choice as chunks: its parsed text (and logprobs), then its finish."""
         parsed = parser.feed(d.text)
         if d.finish_reason is not None:
@@ -186,7 +186,7 @@ class ChatEncoder(OpenAIEncoder):
             chunks.append(self.chunk([self._delta_choice(d.index, {}, None, finish)]))
         return chunks
 
-    def _delta_choice(self, index: int, delta: dict, d: Delta | None = None, finish: str | None = None) -> dict:
+    def _delta_choice(self, index: int, delta: dict, d: ChoiceDelta | None = None, finish: str | None = None) -> dict:
         lp = self.logprobs(d.logprobs) if d is not None and d.logprobs and self.req.logprobs else None
         return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
 

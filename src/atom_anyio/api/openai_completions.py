@@ -8,13 +8,13 @@ from typing import Any
 
 from quart import Blueprint
 
-from atom_anyio.api.generation import Deltas
+from atom_anyio.api.generation import GenerationStream
 from atom_anyio.api.http import kv_lease, parse_body, sse
 from atom_anyio.api.openai_chat import OpenAIEncoder, openai_finish_reason
 from atom_anyio.api.openai_schemas import CompletionRequest
 from atom_anyio.api.runtime import Runtime
 from atom_anyio.api.structured import only_one
-from atom_anyio.engine.stream import Delta, DeltaStream, Logprob, collect
+from atom_anyio.engine.stream import ChoiceDelta, Logprob, RequestStream, collect
 from atom_anyio.prompt.prepare import PreparedPrompt, PromptRequest
 
 
@@ -83,7 +83,7 @@ class CompletionEncoder(OpenAIEncoder):
     def _echo(self, index: int) -> str:
         return self.prompt_texts[index // self.req.n] if self.req.echo else ""
 
-    def _choice_logprobs(self, d: Delta, offset: int, *, first: bool) -> dict[str, Any] | None:
+    def _choice_logprobs(self, d: ChoiceDelta, offset: int, *, first: bool) -> dict[str, Any] | None:
         """The logprobs of a choice's delta: with echo, its first one leads with the prompt's."""
         if self.req.logprobs is None:
             return None
@@ -94,17 +94,17 @@ class CompletionEncoder(OpenAIEncoder):
             return None
         return self.logprobs(lps, offset, self.first_prompt_tokens[d.index // self.req.n])
 
-    def _prompt_logprobs(self, d: Delta) -> dict[str, Any]:
+    def _prompt_logprobs(self, d: ChoiceDelta) -> dict[str, Any]:
         """vLLM's ``prompt_logprobs`` on a choice, when the request asked for them."""
         if self.req.prompt_logprobs is None:
             return {}
         return {"prompt_logprobs": self.vllm_prompt_logprobs(d.prompt_logprobs or [])}
 
-    async def response(self, stream: DeltaStream) -> dict[str, Any]:
-        choices = await collect(Deltas(stream, self.usage, self.num_choices), self.num_choices)
+    async def response(self, stream: RequestStream) -> dict[str, Any]:
+        choices = await collect(GenerationStream(stream, self.usage, self.num_choices), self.num_choices)
         return self.envelope([self._choice(c) for c in choices])
 
-    def _choice(self, c: Delta) -> dict[str, Any]:
+    def _choice(self, c: ChoiceDelta) -> dict[str, Any]:
         return {
             "index": c.index,
             "text": self._echo(c.index) + c.text,
@@ -114,10 +114,10 @@ class CompletionEncoder(OpenAIEncoder):
             **self._prompt_logprobs(c),
         }
 
-    async def events(self, stream: DeltaStream) -> AsyncIterator[str]:
+    async def events(self, stream: RequestStream) -> AsyncIterator[str]:
         offsets = [0] * self.num_choices
         echoed: set[int] = set()
-        async with Deltas(stream, self.usage, self.num_choices) as deltas:
+        async with GenerationStream(stream, self.usage, self.num_choices) as deltas:
             async for d in deltas:
                 text = d.text
                 first = d.index not in echoed

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from atom_anyio.api.errors import APIError
-from atom_anyio.api.generation import Deltas
+from atom_anyio.api.generation import GenerationStream
 from atom_anyio.api.http import new_id, now
 from atom_anyio.api.response_store import ResponseStore, StoredResponse
 from atom_anyio.api.responses_schemas import InputItem, ResponsesRequest
@@ -17,7 +17,7 @@ from atom_anyio.api.responses_tools import ToolSet
 from atom_anyio.api.runtime import Runtime
 from atom_anyio.api.sealed import Sealer
 from atom_anyio.api.usage import Usage
-from atom_anyio.engine.stream import DeltaStream
+from atom_anyio.engine.stream import RequestStream
 from atom_anyio.parse import OutputParser, ParsedDelta, ToolCallDelta
 from atom_anyio.prompt.prepare import PreparedPrompt, PromptRequest
 
@@ -113,23 +113,23 @@ class ResponseEncoder:
 
     # the event stream
 
-    async def response(self, stream: DeltaStream) -> Event:
+    async def response(self, stream: RequestStream) -> Event:
         """The plain (non-streaming) response: the same events, unsent."""
         async with aclosing(self._events(stream)) as events:
             async for _ in events:
                 pass
         return self._response()
 
-    async def events(self, stream: DeltaStream) -> AsyncIterator[str]:
+    async def events(self, stream: RequestStream) -> AsyncIterator[str]:
         async with aclosing(self._events(stream)) as events:
             async for event in events:
                 yield self.turn.frame(event)
 
-    async def _events(self, stream: DeltaStream) -> AsyncIterator[Event]:
+    async def _events(self, stream: RequestStream) -> AsyncIterator[Event]:
         yield self._event("response.created", response=self._response())
         yield self._event("response.in_progress", response=self._response())
         finish = None
-        async with Deltas(stream, self.usage, 1) as deltas:
+        async with GenerationStream(stream, self.usage, 1) as deltas:
             async for d in deltas:
                 for event in self._parsed(self.parser.feed(d.text)):
                     yield event

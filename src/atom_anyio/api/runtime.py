@@ -30,7 +30,7 @@ from atom_anyio.config import Config
 from atom_anyio.engine.core import Engine, EngineStopped
 from atom_anyio.engine.grammar import Grammars
 from atom_anyio.engine.request import EngineRequest
-from atom_anyio.engine.stream import DeltaStream
+from atom_anyio.engine.stream import RequestStream
 from atom_anyio.models.loader import LoadedModel, load_planned
 from atom_anyio.models.plan import ModelPlan, plan_model
 from atom_anyio.obs.loop_health import GCTimer, freeze_heap, limit_malloc_arenas, monitor_loop_lag, thaw_heap
@@ -178,7 +178,7 @@ class Runtime:
         except PromptError as exc:
             raise _bad_prompt(exc) from None
 
-    def submit(self, requests: list[EngineRequest], admission: Admission) -> DeltaStream:
+    def submit(self, requests: list[EngineRequest], admission: Admission) -> RequestStream:
         """Queue the admitted request's prompts; 503 if their tokens would overflow the waiting
         queue (a request alone in the queue always fits) or the engine has stopped."""
         num_tokens = sum(r.num_prompt_tokens * r.params.n for r in requests)

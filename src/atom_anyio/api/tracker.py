@@ -27,7 +27,7 @@ import structlog
 from atom_anyio.api.usage import Usage
 
 if TYPE_CHECKING:
-    from atom_anyio.engine.stream import DeltaStream
+    from atom_anyio.engine.stream import RequestStream
     from atom_anyio.obs.metrics import Metrics
 
 log = structlog.get_logger("atom_anyio.api")
@@ -73,10 +73,10 @@ class Admission:
         self.tracker = tracker
         self.record = record
         self.num_preparing_seqs = num_seqs
-        self.stream: DeltaStream | None = None
+        self.stream: RequestStream | None = None
         self.is_released = False
 
-    def submitted(self, stream: DeltaStream) -> None:
+    def submitted(self, stream: RequestStream) -> None:
         self.stream = stream
         self.tracker.num_preparing_seqs -= self.num_preparing_seqs
         self.num_preparing_seqs = 0

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from atom_anyio.engine.stream import Delta
+from atom_anyio.engine.stream import ChoiceDelta
 
 
 @dataclass
@@ -22,7 +22,7 @@ class Usage:
     num_closed_early: int = 0  # choices whose grammar the wind-down closed to end within max_tokens
     _last_delta_at: float | None = None
 
-    def add(self, d: Delta) -> None:
+    def add(self, d: ChoiceDelta) -> None:
         """Fold one delta in (prompt counts are per choice, the same for all)."""
         self.prompt_tokens = max(self.prompt_tokens, d.num_prompt_tokens)
         self.cached_tokens = max(self.cached_tokens, d.num_cached_tokens)

@@ -3,7 +3,7 @@
     inbox -> scheduler.schedule() -> build_step -> worker (channel out, channel back)
           -> OutputProcessor: append token, detokenize, stop checks, send_nowait
 
-Each request owns a ``DeltaStream`` (bounded: a slow reader gets merged
+Each request owns a ``RequestStream`` (bounded: a slow reader gets merged
 deltas, the engine never waits); every sequence of the request holds a
 sender. A closed stream makes the next ``send_nowait`` fail (or is seen
 before scheduling) and the sequence is aborted and its blocks freed. A finished sequence sends its last
@@ -39,7 +39,7 @@ from atom_anyio.engine.sequence import Sequence, num_alive
 from atom_anyio.engine.speculative import Speculator
 from atom_anyio.engine.stats import EngineStats, SpecStats, TierStats
 from atom_anyio.engine.step import StepInput, StepOutput, build_step
-from atom_anyio.engine.stream import DeltaStream
+from atom_anyio.engine.stream import RequestStream
 from atom_anyio.engine.tp_workers import TensorParallelWorker
 from atom_anyio.engine.worker import Worker, kv_bytes_per_token, kv_pool_bytes
 from atom_anyio.models.loader import LoadedModel
@@ -141,17 +141,17 @@ class Engine:
 
     # submit
 
-    def submit(self, request: EngineRequest) -> DeltaStream:
+    def submit(self, request: EngineRequest) -> RequestStream:
         """Queue a request; its deltas arrive on the returned stream, tagged
         with the choice index, until every choice has finished."""
         return self.submit_many([request])
 
-    def submit_many(self, requests: Seq[EngineRequest]) -> DeltaStream:
+    def submit_many(self, requests: Seq[EngineRequest]) -> RequestStream:
         """Several prompts as one request on one stream: prompt ``i``'s
         choices are numbered after those of the prompts before it."""
         if not self.is_running:
             raise EngineStopped(self.error or "the engine is not running")
-        stream = DeltaStream(self.cfg.max_pending_deltas)
+        stream = RequestStream(self.cfg.max_pending_deltas)
         index = 0
         for request in requests:
             assert (
@@ -209,7 +209,7 @@ class Engine:
         return sum(len(s) * (1 + len(s.siblings)) for s in (*self._inbox, *self.scheduler.waiting))
 
     def _new_sequence(
-        self, request: EngineRequest, stream: DeltaStream, index: int, siblings: Seq[Sequence] = ()
+        self, request: EngineRequest, stream: RequestStream, index: int, siblings: Seq[Sequence] = ()
     ) -> Sequence:
         params = request.params
         detok = IncrementalDetokenizer(

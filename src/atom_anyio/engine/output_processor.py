@@ -16,7 +16,7 @@ from atom_anyio.engine.scheduler import ScheduledBatch, Scheduler
 from atom_anyio.engine.sequence import Sequence, Status
 from atom_anyio.engine.speculative import Speculator
 from atom_anyio.engine.step import StepInput, StepOutput
-from atom_anyio.engine.stream import Delta, Logprob
+from atom_anyio.engine.stream import ChoiceDelta, Logprob
 
 log = structlog.get_logger("atom_anyio.engine")
 
@@ -103,7 +103,7 @@ class OutputProcessor:
             self.block_manager.shrink(seq)  # blocks that held only rejected draft tokens
         self._send(seq, delta)
 
-    def _append_token(self, seq: Sequence, token: int, lp) -> Delta:
+    def _append_token(self, seq: Sequence, token: int, lp) -> ChoiceDelta:
         """Append one token (as ``decide`` chose it): the stop checks; its delta."""
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
@@ -125,7 +125,7 @@ class OutputProcessor:
             elif seq.num_output_tokens >= seq.max_tokens or len(seq) >= self.max_model_len:
                 finish = "length"
                 text += detok.flush()
-        delta = Delta(
+        delta = ChoiceDelta(
             index=seq.index,
             text=text,
             token_ids=[token],
@@ -143,7 +143,7 @@ class OutputProcessor:
             delta.num_closing_tokens = seq.num_closing_tokens
         return delta
 
-    def _send(self, seq: Sequence, delta: Delta) -> None:
+    def _send(self, seq: Sequence, delta: ChoiceDelta) -> None:
         try:
             seq.stream.send_nowait(delta)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
@@ -164,7 +164,7 @@ class OutputProcessor:
         seq.first_token_time = time.monotonic()
         prompt_logprobs = seq.take_prompt_logprobs()  # None when not asked; never changed once taken
         for s in (seq, *seq.siblings):
-            delta = Delta(
+            delta = ChoiceDelta(
                 index=s.index,
                 text="",
                 token_ids=[],
@@ -251,8 +251,8 @@ def _within_reasoning_budget(seq: Sequence, token: int, lp: Logprob | None) -> t
     return token, lp
 
 
-def _error_delta(seq: Sequence, error: str) -> Delta:
-    return Delta(
+def _error_delta(seq: Sequence, error: str) -> ChoiceDelta:
+    return ChoiceDelta(
         index=seq.index,
         text="",
         token_ids=[],

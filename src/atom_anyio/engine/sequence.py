@@ -15,7 +15,7 @@ from atom_anyio.engine.wind_down import WIND_DOWN_TOKENS, Closing
 if TYPE_CHECKING:
     from atom_anyio.engine.detokenizer import IncrementalDetokenizer
     from atom_anyio.engine.request import EngineRequest
-    from atom_anyio.engine.stream import DeltaSender, Logprob
+    from atom_anyio.engine.stream import ChoiceSender, Logprob
 
 
 class Status(enum.Enum):
@@ -40,7 +40,7 @@ class Sequence:
     def __init__(
         self,
         request: EngineRequest,
-        stream: DeltaSender,
+        stream: ChoiceSender,
         detokenizer: IncrementalDetokenizer,
         index: int = 0,
         siblings: Iterable[Sequence] = (),

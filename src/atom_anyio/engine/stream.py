@@ -5,8 +5,8 @@ At most ``max_pending`` deltas wait unread; past that a new delta is merged
 into the last pending one of the same choice (text, token ids and logprobs
 concatenated, the latest finish and counters kept), so what waits is bounded
 by the request's own output and a reader that catches up sees the same text.
-Every sequence of the request holds one ``DeltaSender``; the stream ends when
-all have closed. Closing the ``DeltaStream`` (the reader leaving) makes the
+Every sequence of the request holds one ``ChoiceSender``; the stream ends when
+all have closed. Closing the ``RequestStream`` (the reader leaving) makes the
 next send raise ``BrokenResourceError`` and ``is_abandoned`` true, which is
 how the engine learns to abort the request.
 """
@@ -32,7 +32,7 @@ class Logprob:
 
 
 @dataclass
-class Delta:
+class ChoiceDelta:
     """What one step produced for one sequence (choice ``index``)."""
 
     index: int
@@ -54,7 +54,7 @@ class Delta:
     # on a choice's first delta when the request asked for them: one per prompt token, None for the first
     prompt_logprobs: list[Logprob | None] | None = None
 
-    def merge(self, new: Delta) -> None:
+    def merge(self, new: ChoiceDelta) -> None:
         """``new`` (a later delta of the same choice) appended: one delta saying both.
         The one fold of deltas: a slow reader's pending ones, a whole response's, offline results."""
         self.text += new.text
@@ -75,20 +75,20 @@ class Delta:
         self.num_closing_tokens = new.num_closing_tokens or self.num_closing_tokens
 
 
-class DeltaStream:
+class RequestStream:
     """The receive side: iterate it (``async with`` closes it)."""
 
     def __init__(self, max_pending: int):
         assert max_pending >= 1
         self.max_pending = max_pending
-        self.pending: deque[Delta] = deque()
+        self.pending: deque[ChoiceDelta] = deque()
         self.num_open_senders = 0
         self.is_closed = False
         self._readable: anyio.Event | None = None
 
-    def sender(self) -> DeltaSender:
+    def sender(self) -> ChoiceSender:
         self.num_open_senders += 1
-        return DeltaSender(self)
+        return ChoiceSender(self)
 
     # receive side
 
@@ -99,23 +99,23 @@ class DeltaStream:
     async def aclose(self) -> None:
         self.close()
 
-    async def __aenter__(self) -> DeltaStream:
+    async def __aenter__(self) -> RequestStream:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         self.close()
 
-    async def receive(self) -> Delta:
+    async def receive(self) -> ChoiceDelta:
         """The next delta; ``EndOfStream`` once every sequence has finished."""
         try:
             return await self.__anext__()
         except StopAsyncIteration:
             raise anyio.EndOfStream from None
 
-    def __aiter__(self) -> DeltaStream:
+    def __aiter__(self) -> RequestStream:
         return self
 
-    async def __anext__(self) -> Delta:
+    async def __anext__(self) -> ChoiceDelta:
         while True:
             if self.is_closed:
                 raise anyio.ClosedResourceError
@@ -128,14 +128,14 @@ class DeltaStream:
 
     # send side
 
-    def _put(self, delta: Delta) -> None:
+    def _put(self, delta: ChoiceDelta) -> None:
         if self.is_closed:
             raise anyio.BrokenResourceError
         if len(self.pending) < self.max_pending or not self._merge(delta):
             self.pending.append(delta)  # past the bound only a choice with nothing pending adds an entry
         self._wake()
 
-    def _merge(self, delta: Delta) -> bool:
+    def _merge(self, delta: ChoiceDelta) -> bool:
         for last in reversed(self.pending):
             if last.index == delta.index:
                 last.merge(delta)
@@ -152,15 +152,15 @@ class DeltaStream:
             self._readable = None
 
 
-class DeltaSender:
+class ChoiceSender:
     """One sequence's send side; closing it is idempotent."""
 
     __slots__ = ("_stream",)
 
-    def __init__(self, stream: DeltaStream):
-        self._stream: DeltaStream | None = stream
+    def __init__(self, stream: RequestStream):
+        self._stream: RequestStream | None = stream
 
-    def send_nowait(self, delta: Delta) -> None:
+    def send_nowait(self, delta: ChoiceDelta) -> None:
         if self._stream is None:
             raise anyio.ClosedResourceError
         self._stream._put(delta)
@@ -176,13 +176,13 @@ class DeltaSender:
             self._stream = None
 
 
-async def collect(stream: DeltaStream | Any, num_choices: int) -> list[Delta | None]:
+async def collect(stream: RequestStream | Any, num_choices: int) -> list[ChoiceDelta | None]:
     """Every choice of a request folded into one delta each (None: a choice that never reported).
-    ``stream``: a ``DeltaStream`` or anything iterated the same way (the API's ``Deltas``); closed."""
-    choices: list[Delta | None] = [None] * num_choices
+    ``stream``: a ``RequestStream`` or anything iterated the same way (the API's ``GenerationStream``); closed."""
+    choices: list[ChoiceDelta | None] = [None] * num_choices
     async with stream:
         async for d in stream:
             if (whole := choices[d.index]) is None:
-                whole = choices[d.index] = Delta(d.index, "", [])
+                whole = choices[d.index] = ChoiceDelta(d.index, "", [])
             whole.merge(d)
     return choices
