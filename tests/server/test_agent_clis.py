@@ -64,9 +64,10 @@ def server_process(context: str, tmp_path_factory: pytest.TempPathFactory) -> It
 
 
 @pytest.fixture(scope="module")
-def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], Served]]:
-    """The server for a context, one process at a time: started on first use, stopped when a test
-    asks for the other context, or at the module's end (``RUNS`` keeps each context's runs together)."""
+def serve(tmp_path_factory: pytest.TempPathFactory, smollm2_path: str) -> Iterator[Callable[[str], Served]]:
+    """The server of the default model (``smollm2_path``: skipped without it) for a context, one process
+    at a time: started on first use, stopped when a test asks for the other context, or at the module's
+    end (``RUNS`` keeps each context's runs together)."""
     with ExitStack() as stack:
         current: dict[str, Served] = {}
 
@@ -152,6 +153,7 @@ def anyio_backend() -> str:
 
 
 @pytest.mark.anyio
+@pytest.mark.usefixtures("smollm2_path")  # the default model, loaded below
 async def test_claude_code_answers_then_continues_its_session_from_the_prefix_cache(tmp_path: Path) -> None:
     binary = install("claude-code")
     loaded = await anyio.to_thread.run_sync(lambda: load_model(None, "auto", hf_overrides=YARN_32K))
