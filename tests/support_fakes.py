@@ -1,5 +1,7 @@
 """The fakes, each at a true boundary: the sampler (the model's output, scripted or failing) and
-the prompt's tokenizer (a hook before each encode). Everything between them stays real."""
+the prompt's tokenizer (a hook before each encode). Everything between them stays real. The
+sampler fake is passed to the constructor (``Engine(..., sampler=)``, ``AtomApp(..., sampler=)``),
+never swapped into a built engine."""
 
 from __future__ import annotations
 
@@ -8,7 +10,25 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from atom_anyio.engine.sampler import SamplerOutput, SamplingInputs
+from atom_anyio.engine.sampler import Sampler, SamplerOutput, SamplingInputs
+
+
+class FakeSampler:
+    """The sampler a test drives: the real ``Sampler`` until the test scripts the output
+    (``scripted``) or makes every step fail (``fail``), and the real one again after ``restore``."""
+
+    def __init__(self) -> None:
+        self.real = Sampler()
+        self.fake: Callable[..., SamplerOutput] | None = None
+
+    def __call__(self, logits: Any, inputs: SamplingInputs, finite: Any = None) -> SamplerOutput:
+        return (self.fake or self.real)(logits, inputs, finite)
+
+    def fail(self, error: Exception) -> None:
+        self.fake = FailingSampler(error)
+
+    def restore(self) -> None:
+        self.fake = None
 
 
 class ScriptedSampler:
@@ -64,13 +84,19 @@ def hook_prepare(atom: Any, hook: Callable[[str], None]) -> None:
     )
 
 
+def fake_sampler(engine: Any) -> FakeSampler:
+    """The ``FakeSampler`` ``engine`` was built with."""
+    sampler = engine.worker.sampler
+    assert isinstance(sampler, FakeSampler), "build the engine (or serve the app) with sampler=FakeSampler()"
+    return sampler
+
+
 @contextmanager
 def scripted(atom: Any, text: str, fail_at: int | None = None) -> Iterator[None]:
-    """Install a ScriptedSampler on ``atom``'s engine for the block."""
-    worker = atom.runtime.engine.worker
-    real = worker.sampler
-    worker.sampler = ScriptedSampler(atom.runtime.loaded.tokenizer, text, fail_at)
+    """``atom``'s engine (served with a ``FakeSampler``) writes ``text`` for the block."""
+    sampler = fake_sampler(atom.runtime.engine)
+    sampler.fake = ScriptedSampler(atom.runtime.loaded.tokenizer, text, fail_at)
     try:
         yield
     finally:
-        worker.sampler = real
+        sampler.restore()

@@ -21,6 +21,7 @@ import httpx
 import pytest
 from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config as HypercornConfig
+from support_fakes import FakeSampler
 
 READY_TIMEOUT_S = 60.0
 EXIT_TIMEOUT_S = 30.0
@@ -71,12 +72,14 @@ async def served_over_http(app: Any, port: int | None = None) -> AsyncIterator[s
 
 
 @asynccontextmanager
-async def serving_app(loaded: Any, **config: Any) -> AsyncIterator[Any]:
-    """An ``AtomApp`` over an already loaded model, serving (engine loop running) until the block exits."""
+async def serving_app(loaded: Any, sampler: Any = None, **config: Any) -> AsyncIterator[Any]:
+    """An ``AtomApp`` over an already loaded model, serving (engine loop running) until the block
+    exits; its engine's sampler is ``sampler``, by default a ``FakeSampler`` (the real sampler until
+    a test scripts it: support_fakes.scripted)."""
     from atom_anyio.api.app import AtomApp
     from atom_anyio.config import Config
 
-    atom = AtomApp(Config.of(**config), loaded=loaded)
+    atom = AtomApp(Config.of(**config), loaded=loaded, sampler=sampler or FakeSampler())
     async with atom.serving():
         yield atom
 

@@ -20,7 +20,7 @@ from typing import Any
 import anthropic
 import pytest
 from structlog.testing import capture_logs
-from support_fakes import ScriptedSampler, scripted
+from support_fakes import FakeSampler, ScriptedSampler, fake_sampler, scripted
 from support_servers import free_port, served_over_http
 
 from atom_anyio.api.anthropic_schemas import MessagesRequest
@@ -65,7 +65,7 @@ async def atom(tiny_model):
         port=free_port(),
         max_body_bytes=256 * 1024,
     )
-    app = AtomApp(config, loaded=tiny_model)
+    app = AtomApp(config, loaded=tiny_model, sampler=FakeSampler())
     async with served_over_http(app, port=config.port):
         yield app
 
@@ -77,7 +77,7 @@ def script(atom):
 
         def install(text: str, fail_at: int | None = None) -> ScriptedSampler:
             installed.enter_context(scripted(atom, text, fail_at))
-            return atom.runtime.engine.worker.sampler
+            return fake_sampler(atom.runtime.engine).fake
 
         yield install
 
@@ -389,7 +389,11 @@ async def test_an_unknown_messages_route_is_a_not_found_error(client):
 
 
 async def test_a_server_that_is_not_admitting_answers_overloaded(tiny_model):
-    atom = AtomApp(Config.of(served_model_name=MODEL, kv_cache_gib=0.05, chat_template=TEMPLATE), loaded=tiny_model)
+    atom = AtomApp(
+        Config.of(served_model_name=MODEL, kv_cache_gib=0.05, chat_template=TEMPLATE),
+        loaded=tiny_model,
+        sampler=FakeSampler(),
+    )
     async with atom.serving():
         pass  # served, then shut down: no longer admitting
     r = await atom.quart.test_client().post("/v1/messages", json=body())

@@ -12,7 +12,7 @@ import json
 import re
 
 import pytest
-from support_fakes import scripted
+from support_fakes import FakeSampler, scripted
 from support_servers import serving_app
 
 from atom_anyio.api.app import AtomApp
@@ -180,7 +180,7 @@ async def test_the_parser_flags_override_the_template(tiny_model):
     config = Config.of(
         kv_cache_gib=0.05, chat_template=template_path("qwen3_tools"), reasoning_parser="none", tool_call_parser="none"
     )
-    atom = AtomApp(config, loaded=tiny_model)
+    atom = AtomApp(config, loaded=tiny_model, sampler=FakeSampler())
     async with atom.serving():
         with scripted(atom, f"Thoughts.\n</think>\n\n{CALL}"):
             message = (await chat(atom, tools=[WEATHER_TOOL]))["choices"][0]["message"]

@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 import pytest
-from support_fakes import scripted
+from support_fakes import FakeSampler, scripted
 
 from atom_anyio.api.app import AtomApp
 from atom_anyio.config import Config
@@ -27,7 +27,7 @@ def anyio_backend() -> str:
 @pytest.fixture(scope="module")
 async def atom(tiny_model):
     config = Config.of(max_model_len=2048, kv_cache_gib=0.05, chat_template=QWEN3_TEMPLATE)
-    app = AtomApp(config, loaded=tiny_model)
+    app = AtomApp(config, loaded=tiny_model, sampler=FakeSampler())
     async with app.serving():
         yield app
 

@@ -24,7 +24,7 @@ import anyio
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from support_fakes import FailingSampler, hook_prepare
+from support_fakes import FakeSampler, fake_sampler, hook_prepare
 from support_servers import Served, clean_env, free_port, serving_app, wait_healthy, wait_ready, wait_until
 
 from atom_anyio.api import limits
@@ -34,7 +34,6 @@ from atom_anyio.config import Config
 from atom_anyio.engine.core import Engine
 from atom_anyio.engine.engine_config import EngineConfig
 from atom_anyio.engine.request import EngineRequest
-from atom_anyio.engine.sampler import Sampler
 from atom_anyio.engine.sequence import num_alive
 from atom_anyio.sampling_params import SamplingParams
 
@@ -351,9 +350,9 @@ async def test_a_failing_step_mid_batch_errors_those_requests_and_the_next_succe
                     and min(s.num_output_tokens for s in engine.scheduler.running) > 1
                 )
             )
-            engine.worker.sampler = FailingSampler(FloatingPointError("non-finite logits"))
+            fake_sampler(engine).fail(FloatingPointError("non-finite logits"))
             await wait_until(lambda: not engine.scheduler.running)
-            engine.worker.sampler = Sampler()
+            fake_sampler(engine).restore()
         for body in bodies:
             last = json.loads(body.split("\n\n")[-2].removeprefix("data: "))
             assert "non-finite logits" in last["error"]["message"] and "[DONE]" not in body
@@ -383,7 +382,9 @@ async def test_an_unexpected_error_is_a_generic_500_without_traceback_or_secrets
 
 
 async def test_drain_past_its_timeout_ends_the_rest_with_an_error_event(tiny_model):
-    atom = AtomApp(Config.of(kv_cache_gib=0.05, max_model_len=4096, drain_timeout_s=0.5), loaded=tiny_model)
+    atom = AtomApp(
+        Config.of(kv_cache_gib=0.05, max_model_len=4096, drain_timeout_s=0.5), loaded=tiny_model, sampler=FakeSampler()
+    )
     bodies: list[str] = []
     async with atom.serving():
         client, engine = atom.quart.test_client(), atom.runtime.engine
@@ -586,14 +587,17 @@ async def test_in_process_hypercorn_signal_waits_for_the_drain(tiny_model):
     from hypercorn.config import Config as HypercornConfig
 
     port = free_port()
-    atom = AtomApp(Config.of(max_model_len=2048, kv_cache_gib=0.05, drain_timeout_s=30), loaded=tiny_model)
+    sampler = FakeSampler()
+    atom = AtomApp(
+        Config.of(max_model_len=2048, kv_cache_gib=0.05, drain_timeout_s=30), loaded=tiny_model, sampler=sampler
+    )
     hc = HypercornConfig()
     hc.bind, hc.accesslog = [f"127.0.0.1:{port}"], None
     url = f"http://127.0.0.1:{port}"
     async with httpx.AsyncClient(base_url=url, timeout=60) as http, anyio.create_task_group() as tg:
         tg.start_soon(hypercorn_serve, atom, hc)  # no shutdown_trigger: hypercorn handles the signals
         await wait_healthy(url)
-        gated = atom.runtime.engine.worker.sampler = GatedSampler(atom.runtime.engine.worker.sampler, at=3)
+        gated = sampler.fake = GatedSampler(sampler.real, at=3)
         body: list[str] = []
 
         async def stream() -> None:

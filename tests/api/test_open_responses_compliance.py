@@ -19,7 +19,7 @@ from pathlib import Path
 
 import anyio
 import pytest
-from support_fakes import scripted
+from support_fakes import FakeSampler, scripted
 from support_servers import served_over_http
 
 from atom_anyio.api.app import AtomApp
@@ -58,7 +58,7 @@ def suite() -> tuple[Path, str]:
 
 async def test_the_open_responses_compliance_suite_passes(suite, tiny_model):
     checkout, bun = suite
-    atom = AtomApp(Config.of(max_model_len=2048, kv_cache_gib=0.05), loaded=tiny_model)
+    atom = AtomApp(Config.of(max_model_len=2048, kv_cache_gib=0.05), loaded=tiny_model, sampler=FakeSampler())
     async with served_over_http(atom) as base_url:
         args = ["--base-url", f"{base_url}/v1", "--api-key", "unused", "--model", atom.runtime.model_name, "--json"]
         with scripted(atom, ANSWER):

@@ -14,13 +14,12 @@ from typing import Any
 
 import openai
 import pytest
-from support_fakes import FailingSampler, scripted
+from support_fakes import FakeSampler, fake_sampler, scripted
 from support_servers import served_over_http
 
 from atom_anyio.api.app import AtomApp
 from atom_anyio.api.response_store import ResponseStore, StoredResponse
 from atom_anyio.config import Config
-from atom_anyio.engine.sampler import Sampler
 from atom_anyio.templates import template_path
 
 pytestmark = pytest.mark.anyio
@@ -46,7 +45,11 @@ def anyio_backend() -> str:
 
 
 async def serving(tiny_model, **config: Any):
-    atom = AtomApp(Config.of(**{"max_model_len": MAX_MODEL_LEN, "kv_cache_gib": 0.05, **config}), loaded=tiny_model)
+    atom = AtomApp(
+        Config.of(**{"max_model_len": MAX_MODEL_LEN, "kv_cache_gib": 0.05, **config}),
+        loaded=tiny_model,
+        sampler=FakeSampler(),
+    )
     async with atom.serving():
         yield atom
 
@@ -340,12 +343,13 @@ async def test_stream_stopped_by_max_output_tokens_ends_with_response_incomplete
 
 
 async def test_engine_failure_mid_stream_ends_with_an_error_event(client, atom):
-    atom.runtime.engine.worker.sampler = FailingSampler(RuntimeError("injected device error"))
+    sampler = fake_sampler(atom.runtime.engine)
+    sampler.fail(RuntimeError("injected device error"))
     try:
         events = await stream_events(client, {"input": "Hi.", "max_output_tokens": 4})
         plain = await client.post("/v1/responses", json={"input": "Hi.", "max_output_tokens": 4})
     finally:
-        atom.runtime.engine.worker.sampler = Sampler()
+        sampler.restore()
     assert [e["type"] for e in events] == ["response.created", "response.in_progress", "error", "response.failed"]
     assert "injected device error" in events[2]["message"] and events[2]["code"] == "engine_error"
     assert events[3]["response"]["status"] == "failed"
@@ -507,7 +511,9 @@ def test_store_stays_within_max_items_and_drops_expired_entries_from_the_front()
 async def sdk(tiny_model):
     """The official AsyncOpenAI client against real hypercorn serving the app on a free port."""
     atom = AtomApp(
-        Config.of(max_model_len=MAX_MODEL_LEN, kv_cache_gib=0.05, chat_template=QWEN3_TEMPLATE), loaded=tiny_model
+        Config.of(max_model_len=MAX_MODEL_LEN, kv_cache_gib=0.05, chat_template=QWEN3_TEMPLATE),
+        loaded=tiny_model,
+        sampler=FakeSampler(),
     )
     # graceful at exit: hypercorn closes, the lifespan drains and stops the engine
     async with (

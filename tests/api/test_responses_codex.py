@@ -19,7 +19,7 @@ import openresponses_types as spec
 import pytest
 import websockets
 from structlog.testing import capture_logs
-from support_fakes import hook_prepare, scripted
+from support_fakes import FakeSampler, hook_prepare, scripted
 from support_servers import served_over_http
 
 from atom_anyio.api.app import AtomApp
@@ -80,7 +80,7 @@ async def served(tiny_model):
     """The tiny model (Qwen3-style template: thinking and tools) behind hypercorn on a free port,
     the official SDK on it, and the prompts the server rendered (the last one last)."""
     config = Config.of(max_model_len=MAX_MODEL_LEN, kv_cache_gib=0.05, chat_template=QWEN3_TEMPLATE)
-    atom = AtomApp(config, loaded=tiny_model)
+    atom = AtomApp(config, loaded=tiny_model, sampler=FakeSampler())
     prompts: list[str] = []
     async with (
         served_over_http(atom) as base_url,
@@ -460,7 +460,7 @@ async def test_a_websocket_to_a_route_without_one_is_refused_with_a_4xx_not_a_50
 
 async def test_a_websocket_needs_the_api_key(tiny_model):
     config = Config.of(max_model_len=MAX_MODEL_LEN, kv_cache_gib=0.05, api_key="sk-test")
-    async with served_over_http(AtomApp(config, loaded=tiny_model)) as base_url:
+    async with served_over_http(AtomApp(config, loaded=tiny_model, sampler=FakeSampler())) as base_url:
         url = base_url.replace("http://", "ws://") + "/v1/responses"
         with pytest.raises(websockets.exceptions.InvalidStatus) as refused:
             async with websockets.connect(url, additional_headers={"Authorization": "Bearer wrong"}):

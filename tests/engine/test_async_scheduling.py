@@ -14,7 +14,7 @@ import anyio
 import pytest
 import torch
 import transformers
-from support_fakes import ScriptedSampler
+from support_fakes import FakeSampler, ScriptedSampler
 from support_models import WORDS
 from support_servers import serving_app
 
@@ -287,15 +287,16 @@ async def test_prefix_cache_hits_and_generated_blocks_are_exact(tiny_model, prom
 
 
 async def test_a_failed_step_fails_both_steps_in_flight_and_the_engine_serves_on(tiny_model, prompts):
-    engine = engine_of(tiny_model, True)
-    engine.worker.sampler = ScriptedSampler(tiny_model.tokenizer, "one two three four five six seven", fail_at=4)
+    sampler = FakeSampler()
+    engine = Engine(tiny_model, EngineConfig(async_scheduling=True, max_model_len=512), sampler)
+    sampler.fake = ScriptedSampler(tiny_model.tokenizer, "one two three four five six seven", fail_at=4)
     params = SamplingParams(temperature=0, max_tokens=12)
     failed = await run(engine, [(prompts[0], params), (prompts[1], params)])
     assert [r[0].finish_reason for r in failed] == ["error", "error"]
     assert all("device lost" in r[0].error and r[0].num_output_tokens == 4 for r in failed)
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks and engine.outputs.num_consecutive_failures == 1
-    engine.worker.sampler = ScriptedSampler(tiny_model.tokenizer, "fine")
+    sampler.fake = ScriptedSampler(tiny_model.tokenizer, "fine")
     ((ok,),) = await run(engine, [(prompts[2], params)])
     assert (ok.text, ok.finish_reason) == ("fine", "stop")
 

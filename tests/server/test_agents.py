@@ -28,6 +28,7 @@ from agents import (
 )
 from openai.types.shared import Reasoning
 from pydantic import Field
+from support_fakes import FakeSampler, fake_sampler
 from support_servers import served_over_http
 
 from atom_anyio.api.app import AtomApp
@@ -72,13 +73,12 @@ class AgentScript:
 
 @contextmanager
 def agent_script(atom: AtomApp, replies: list[str]) -> Iterator[AgentScript]:
-    worker = atom.runtime.engine.worker
-    real = worker.sampler
-    worker.sampler = script = AgentScript(atom.runtime.loaded.tokenizer, replies)
+    sampler = fake_sampler(atom.runtime.engine)
+    sampler.fake = script = AgentScript(atom.runtime.loaded.tokenizer, replies)
     try:
         yield script
     finally:
-        worker.sampler = real
+        sampler.restore()
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,7 @@ def anyio_backend() -> str:
 async def served(request, tiny_model):
     """Real hypercorn serving atom_anyio (its lifespan starts the engine); yields (app, base URL, thought)."""
     config, thought = TEMPLATES[request.param]
-    atom = AtomApp(Config.of(kv_cache_gib=0.05, **config), loaded=tiny_model)
+    atom = AtomApp(Config.of(kv_cache_gib=0.05, **config), loaded=tiny_model, sampler=FakeSampler())
     async with served_over_http(atom) as url:
         yield atom, url, thought
 

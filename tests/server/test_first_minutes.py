@@ -146,19 +146,19 @@ def opinionated_model(tiny_model_dir, tmp_path_factory) -> LoadedModel:
 
 @contextmanager
 def sampling_seen(engine: Any) -> Iterator[list[SamplingParams]]:
-    """The SamplingParams of every row the engine's sampler is given; the real sampler samples."""
-    worker = engine.worker
-    real, seen = worker.sampler, []
+    """The SamplingParams of every request submitted to the engine (what its sampler is given for
+    the request's rows); the engine runs them as usual."""
+    submit_many, seen = engine.submit_many, []
 
-    def record(logits, inputs, finite=None):
-        seen.extend(inputs.params)
-        return real(logits, inputs, finite)
+    def record(requests):
+        seen.extend(r.params for r in requests)
+        return submit_many(requests)
 
-    worker.sampler = record
+    engine.submit_many = record
     try:
         yield seen
     finally:
-        worker.sampler = real
+        del engine.submit_many
 
 
 def sampling_of(params: SamplingParams) -> dict[str, Any]:

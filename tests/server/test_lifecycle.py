@@ -7,7 +7,7 @@ import json
 import anyio
 import httpx
 import pytest
-from support_fakes import FailingSampler
+from support_fakes import FakeSampler
 from support_servers import free_port, wait_healthy, wait_until
 
 from atom_anyio.api.app import AtomApp
@@ -16,7 +16,6 @@ from atom_anyio.config import Config
 from atom_anyio.engine.core import Engine
 from atom_anyio.engine.engine_config import EngineConfig
 from atom_anyio.engine.request import EngineRequest
-from atom_anyio.engine.sampler import Sampler
 from atom_anyio.sampling_params import SamplingParams
 
 CHAT = {"messages": [{"role": "user", "content": "Tell me a story."}], "temperature": 0}
@@ -29,16 +28,17 @@ def anyio_backend(request):
 
 @pytest.mark.anyio
 async def test_failed_step_ends_its_batch_with_an_error_and_the_next_request_succeeds(tiny_model):
-    engine = Engine(tiny_model, EngineConfig(kv_cache_gib=0.05))
+    sampler = FakeSampler()
+    engine = Engine(tiny_model, EngineConfig(kv_cache_gib=0.05), sampler)
     free = engine.block_manager.num_free_blocks
     ids = tiny_model.tokenizer("a failing prompt")["input_ids"]
     async with anyio.create_task_group() as tg:
         await tg.start(engine.run)
-        engine.worker.sampler = FailingSampler(RuntimeError("injected kernel error"))
+        sampler.fail(RuntimeError("injected kernel error"))
         async with engine.submit(EngineRequest.of_tokens(ids, SamplingParams(max_tokens=4), engine)) as stream:
             deltas = [d async for d in stream]
         assert deltas[-1].finish_reason == "error" and "injected kernel error" in deltas[-1].error
-        engine.worker.sampler = Sampler()
+        sampler.restore()
         async with engine.submit(
             EngineRequest.of_tokens(ids, SamplingParams(max_tokens=4, ignore_eos=True), engine)
         ) as stream:
@@ -51,11 +51,12 @@ async def test_failed_step_ends_its_batch_with_an_error_and_the_next_request_suc
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_repeated_step_failures_mark_the_server_unhealthy(tiny_model):
-    atom = AtomApp(Config.of(kv_cache_gib=0.05), loaded=tiny_model)
+    sampler = FakeSampler()
+    atom = AtomApp(Config.of(kv_cache_gib=0.05), loaded=tiny_model, sampler=sampler)
     async with atom.serving():
         client = atom.quart.test_client()
         assert (await client.get("/health")).status_code == 200
-        atom.runtime.engine.worker.sampler = FailingSampler(RuntimeError("injected step failure"))
+        sampler.fail(RuntimeError("injected step failure"))
         for _ in range(atom.runtime.engine.cfg.max_consecutive_step_failures):
             r = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 4})
             assert r.status_code in (500, 503)
@@ -71,7 +72,8 @@ async def test_repeated_step_failures_mark_the_server_unhealthy(tiny_model):
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_an_engine_crash_ends_in_flight_streams_with_an_error_event(tiny_model):
-    atom = AtomApp(Config.of(kv_cache_gib=0.05, max_consecutive_step_failures=1), loaded=tiny_model)
+    sampler = FakeSampler()
+    atom = AtomApp(Config.of(kv_cache_gib=0.05, max_consecutive_step_failures=1), loaded=tiny_model, sampler=sampler)
     async with atom.serving():
         engine = atom.runtime.engine
         client = atom.quart.test_client()
@@ -86,7 +88,7 @@ async def test_an_engine_crash_ends_in_flight_streams_with_an_error_event(tiny_m
         async with anyio.create_task_group() as tg:
             tg.start_soon(stream_request)
             await wait_until(lambda: engine.scheduler.running and engine.scheduler.running[0].num_output_tokens > 2)
-            engine.worker.sampler = FailingSampler(RuntimeError("device lost"))
+            sampler.fail(RuntimeError("device lost"))
         assert result["status"] == 200
         events = [e[len("data: ") :] for e in result["body"].split("\n\n") if e]
         assert "[DONE]" not in events
@@ -132,7 +134,8 @@ async def test_shutdown_stops_admitting_and_drains_in_flight_requests(tiny_model
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_serve_exits_non_zero_when_the_engine_crashes(tiny_model):
     port = free_port()
-    atom = AtomApp(Config.of(kv_cache_gib=0.05, port=port), loaded=tiny_model)
+    sampler = FakeSampler()
+    atom = AtomApp(Config.of(kv_cache_gib=0.05, port=port), loaded=tiny_model, sampler=sampler)
     code: list[int] = []
 
     async def run() -> None:
@@ -143,7 +146,7 @@ async def test_serve_exits_non_zero_when_the_engine_crashes(tiny_model):
         base_url = f"http://127.0.0.1:{port}"
         await wait_healthy(base_url)
         async with httpx.AsyncClient(base_url=base_url) as http:
-            atom.runtime.engine.worker.sampler = FailingSampler(RuntimeError("injected"))
+            sampler.fail(RuntimeError("injected"))
             for _ in range(atom.runtime.engine.cfg.max_consecutive_step_failures):
                 await http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2})
     assert code == [1]

@@ -36,6 +36,7 @@ from atom_anyio.api.status import status_blueprint
 from atom_anyio.api.tokenize import tokenize_blueprint
 from atom_anyio.api.tracker import current_record
 from atom_anyio.config import Config
+from atom_anyio.engine.sampler import Sampler
 from atom_anyio.models.loader import LoadedModel
 from atom_anyio.obs.logging import configure_logging
 from atom_anyio.settings import ConfigError
@@ -65,9 +66,11 @@ class AtomApp:
         config: Config | None = None,
         loaded: LoadedModel | None = None,
         on_engine_crash: Callable[[], None] | None = None,
+        sampler: Sampler | None = None,
     ):
         self._config = config
         self._loaded = loaded
+        self._sampler = sampler  # the engine's (a test's fake); default the real one
         self.on_engine_crash = on_engine_crash
         self._runtime: Runtime | None = None
         self._quart: Quart | None = None
@@ -96,7 +99,7 @@ class AtomApp:
     @asynccontextmanager
     async def serving(self) -> AsyncIterator[AtomApp]:
         """Load, start the engine and bind the routes to the runtime; drain at exit."""
-        async with serving(self.config, self._loaded, self.on_engine_crash) as runtime:
+        async with serving(self.config, self._loaded, self.on_engine_crash, self._sampler) as runtime:
             self._runtime, self._quart = runtime, build_quart(runtime)
             yield self
 

@@ -30,6 +30,7 @@ from atom_anyio.config import Config
 from atom_anyio.engine.core import Engine, EngineStopped
 from atom_anyio.engine.grammar import Grammars
 from atom_anyio.engine.request import EngineRequest
+from atom_anyio.engine.sampler import Sampler
 from atom_anyio.engine.stream import RequestStream
 from atom_anyio.models.loader import LoadedModel, load_planned
 from atom_anyio.models.plan import ModelPlan, plan_model
@@ -228,7 +229,10 @@ def _bad_prompt(exc: PromptError) -> APIError:
 
 @asynccontextmanager
 async def serving(
-    config: Config, loaded: LoadedModel | None = None, on_crash: Callable[[], None] | None = None
+    config: Config,
+    loaded: LoadedModel | None = None,
+    on_crash: Callable[[], None] | None = None,
+    sampler: Sampler | None = None,
 ) -> AsyncIterator[Runtime]:
     """The lifetime: build everything (each phase logged with its duration), run the engine
     loop, serve; then drain and cancel. ``on_crash`` is called if the engine loop crashes."""
@@ -242,7 +246,7 @@ async def serving(
             extra.update(attention_backend=loaded.model.attention_backend.name)
             extra.update(generation_defaults=loaded.generation_defaults)  # what a request leaves out gets
     with _phase("engine.built"):
-        engine = Engine(loaded, config.engine)  # on the loop: its worker's limiter belongs to it
+        engine = Engine(loaded, config.engine, sampler)  # on the loop: its worker's limiter belongs to it
     with _phase("grammars.ready"):
         grammars = await anyio.to_thread.run_sync(_grammars, config, loaded, engine)
     with _phase("prompt.ready"):

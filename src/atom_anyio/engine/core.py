@@ -16,7 +16,6 @@ step is scheduled and sent while the worker runs this one.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import time
 from collections import deque
@@ -34,9 +33,10 @@ from atom_anyio.engine.kv_events import KVEventPublisher
 from atom_anyio.engine.kv_tier import MEDIUM_CPU, MEDIUM_DISK, TierIndex, num_tier_slots
 from atom_anyio.engine.output_processor import OutputProcessor, StepsFailing
 from atom_anyio.engine.request import EngineRequest
+from atom_anyio.engine.sampler import Sampler
 from atom_anyio.engine.scheduler import ScheduledBatch, Scheduler
 from atom_anyio.engine.sequence import Sequence, num_alive
-from atom_anyio.engine.speculative import Speculator
+from atom_anyio.engine.speculative import speculator_for
 from atom_anyio.engine.stats import EngineStats, SpecStats, TierStats
 from atom_anyio.engine.step import StepInput, StepOutput, build_step
 from atom_anyio.engine.stream import RequestStream
@@ -52,7 +52,8 @@ class EngineStopped(RuntimeError):
 
 
 class Engine:
-    def __init__(self, loaded: LoadedModel, cfg: EngineConfig = EngineConfig()):
+    def __init__(self, loaded: LoadedModel, cfg: EngineConfig = EngineConfig(), sampler: Sampler | None = None):
+        """``sampler``: the worker's (a fake's, in tests); default the real ``Sampler``."""
         cfg.check_loaded_as(loaded.plan)
         self.cfg = cfg
         self.tokenizer = loaded.tokenizer
@@ -77,7 +78,9 @@ class Engine:
             lease_fraction=cfg.kv_lease_fraction,
             tier=TierIndex(tier_slots, cfg.block_size, medium, self.kv_events is not None) if tier_slots else None,
         )
-        self.speculator = _speculator(cfg, loaded)
+        plan = loaded.plan  # a draft's step gives a plain decode's bits in float32 or batch-invariant
+        exact = plan is not None and (plan.dtype == "float32" or bool(plan.batch_invariant))
+        self.speculator = speculator_for(cfg.speculative_config, cfg.async_scheduling, exact)
         self.scheduler = Scheduler(
             self.block_manager,
             cfg.max_num_seqs,
@@ -87,7 +90,7 @@ class Engine:
         )
         graphs = (self.max_model_len, cfg.max_num_seqs) if cfg.cuda_graphs else None
         if cfg.tensor_parallel_size > 1:  # rank 0, driving the other ranks' processes
-            self.worker = TensorParallelWorker(loaded, num_blocks, cfg)
+            self.worker = TensorParallelWorker(loaded, num_blocks, cfg, sampler)
         else:
             self.worker = Worker(
                 loaded.model,
@@ -97,6 +100,7 @@ class Engine:
                 decode_graphs=graphs,
                 tier_slots=tier_slots,
                 tier_dir=cfg.kv_offloading_dir,
+                sampler=sampler,
             )
         self.outputs = OutputProcessor(
             self.scheduler,
@@ -325,21 +329,6 @@ class Engine:
         self.num_steps += 1
         if batch.num_preempted:
             log.info("engine.preempted", num_seqs=batch.num_preempted, free_blocks=self.block_manager.num_free_blocks)
-
-
-def _speculator(cfg: EngineConfig, loaded: LoadedModel) -> Speculator | None:
-    """Speculative decoding, where configured and where it runs: not beside async scheduling, whose
-    step in flight would have to guess how many of a draft's tokens its successor starts after."""
-    spec = cfg.speculative_config
-    if spec is None:
-        return None
-    if cfg.async_scheduling:
-        log.warning("spec_decode.off", reason="async_scheduling", method=spec.method)
-        return None
-    plan = loaded.plan  # a draft's step gives a plain decode's bits in float32 or batch-invariant
-    exact = plan is not None and (plan.dtype == "float32" or bool(plan.batch_invariant))
-    log.info("spec_decode.on", exact=exact, **dataclasses.asdict(spec))
-    return Speculator(spec)
 
 
 def _crash_cause(exc: BaseException) -> BaseException:

@@ -15,14 +15,18 @@ tokens a plain decode gives, seeded runs included.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import structlog
 
 from atom_anyio.engine.proposers import SuffixStore, ngram_draft, suffix_draft
 from atom_anyio.engine.wind_down import WIND_DOWN_TOKENS
 from atom_anyio.settings import json_object
+
+log = structlog.get_logger("atom_anyio.engine")
 
 if TYPE_CHECKING:
     from atom_anyio.engine.sequence import Sequence
@@ -89,6 +93,19 @@ class SpeculativeConfig:
         if "method" not in raw:
             raise ValueError(f"speculative_config: method is required (one of {', '.join(METHODS)})")
         return cls(**raw)
+
+
+def speculator_for(cfg: SpeculativeConfig | None, async_scheduling: bool, exact: bool) -> Speculator | None:
+    """Speculative decoding, where configured and where it runs: not beside async scheduling, whose
+    step in flight would have to guess how many of a draft's tokens its successor starts after.
+    ``exact``: a verifying step gives a plain decode's bits (float32, or batch-invariant kernels)."""
+    if cfg is None:
+        return None
+    if async_scheduling:
+        log.warning("spec_decode.off", reason="async_scheduling", method=cfg.method)
+        return None
+    log.info("spec_decode.on", exact=exact, **dataclasses.asdict(cfg))
+    return Speculator(cfg)
 
 
 def num_accepted(draft: list[int], sampled: list[int]) -> int:

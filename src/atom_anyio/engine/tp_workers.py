@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from atom_anyio.engine.engine_config import EngineConfig
+from atom_anyio.engine.sampler import Sampler
 from atom_anyio.engine.step import StepInput
 from atom_anyio.engine.worker import Worker, WorkerFailed
 from atom_anyio.models.loader import LoadedModel, load_planned
@@ -67,7 +68,7 @@ class TensorParallelWorker(Worker):
     """Rank 0. Built on a thread that lives as long as the ranks (the event loop's, or the
     offline ``LLM``'s caller): PR_SET_PDEATHSIG ends a rank when the thread that started it ends."""
 
-    def __init__(self, loaded: LoadedModel, num_blocks: int, cfg: EngineConfig):
+    def __init__(self, loaded: LoadedModel, num_blocks: int, cfg: EngineConfig, sampler: Sampler | None = None):
         size = cfg.tensor_parallel_size
         if loaded.model.tp.size != size or loaded.plan is None:
             raise ValueError(
@@ -75,7 +76,7 @@ class TensorParallelWorker(Worker):
             )
         if dist.is_initialized():
             raise RuntimeError("one tensor-parallel engine per process: close the other one (worker.close()) first")
-        super().__init__(loaded.model, num_blocks, cfg.block_size, cfg.threads_per_rank)
+        super().__init__(loaded.model, num_blocks, cfg.block_size, cfg.threads_per_rank, sampler=sampler)
         # port 0: any free one; the ranks join the group only once they have loaded their shards
         self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
         plan, port = loaded.plan, self._store.port

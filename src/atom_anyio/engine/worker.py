@@ -82,6 +82,7 @@ class Worker:
         decode_graphs: tuple[int, int] | None = None,  # (max_model_len, max_num_seqs): see cuda_graphs.py
         tier_slots: int = 0,  # blocks of the KV cache's second tier (kv_tier.py); 0: none
         tier_dir: str | None = None,  # where the CPU's tier file goes
+        sampler: Sampler | None = None,  # default the real one (tests pass a fake)
     ):
         self.model = model  # as loaded (its plan: models/plan.py); nothing here changes it
         param = next(model.parameters())
@@ -103,7 +104,7 @@ class Worker:
             spare_slot = num_blocks * block_size
             self.graphs = DecodeGraphs(model, self.kv_caches, block_size, spare_slot, *decode_graphs)
         self.num_threads = num_threads
-        self.sampler = Sampler()
+        self.sampler = sampler or Sampler()
         self.sampled: torch.Tensor | None = None  # the last step's sampled ids, on the device (None: it failed)
         self.limiter = anyio.CapacityLimiter(1)
         if self.device.type == "cpu":  # the steps run on another thread: this one's OpenMP pool goes
