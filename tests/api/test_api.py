@@ -1009,3 +1009,28 @@ async def test_cache_salt_keeps_one_tenants_prefix_hits_from_anothers(client):
     assert cached(unsalted) < cached(again)  # nor an unsalted one's (it shares only the default system prompt's block)
     data = await post(client, "/v1/chat/completions", chat(question, **greedy(2), cache_salt=""), status=400)
     assert_openai_error(data, param="cache_salt")
+
+
+async def test_priority_is_refused_under_fcfs_and_orders_the_queue_under_the_priority_policy(client, tiny_model):
+    """vLLM's ``priority``: under the default fcfs policy any priority but 0 is a 400 naming it; under
+    ``scheduling_policy=priority`` the waiting requests run lowest priority value first."""
+    assert_openai_error(
+        await post(client, "/v1/chat/completions", chat(**greedy(2), priority=1), 400), param="priority"
+    )
+    assert (await post(client, "/v1/completions", {"prompt": "Hi", **greedy(2), "priority": 0}))["choices"]
+    async with serve(tiny_model, scheduling_policy="priority", max_num_seqs=1) as atom:
+        c, engine, finished = atom.quart.test_client(), atom.runtime.engine, []
+
+        async def one(priority: int, max_tokens: int = 4) -> None:
+            await post(
+                c, "/v1/completions", {"prompt": f"Request {priority}.", **greedy(max_tokens), "priority": priority}
+            )
+            finished.append(priority)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(one, 0, 200)  # runs alone (max_num_seqs 1) while the others queue behind it
+            await wait_until(lambda: engine.scheduler.running)
+            for priority in (5, -3, 2):
+                tg.start_soon(one, priority)
+            await wait_until(lambda: len(engine.scheduler.waiting) == 3)
+        assert finished == [0, -3, 2, 5]

@@ -209,3 +209,43 @@ def test_finish_takes_a_sequence_out_of_the_queue_in_any_state():
     assert running.is_finished and waiting.is_finished and not sched.has_work
     assert sched.bm.num_free_blocks == sched.bm.num_blocks
     assert sched.schedule().seqs == []
+
+
+def prioritized(token_ids: list[int], priority: int, max_tokens: int = 8) -> Sequence:
+    request = EngineRequest(
+        list(token_ids), block_hash_chain(token_ids, BLOCK_SIZE), SamplingParams(max_tokens=max_tokens), max_tokens
+    )
+    return Sequence(EngineRequest(**{**request.__dict__, "priority": priority}), stream=None, detokenizer=None)
+
+
+def test_under_the_priority_policy_the_queue_is_in_priority_then_arrival_order():
+    """vLLM's --scheduling-policy priority: lower first, ties by arrival; fcfs ignores priorities."""
+    seqs = [prioritized(prompt(4, first=100 * i), priority) for i, priority in enumerate([5, 0, 5, -1, 0])]
+    sched = Scheduler(BlockManager(64, BLOCK_SIZE), 2, 64, True, by_priority=True)
+    fcfs = make_scheduler(max_num_seqs=2)
+    for seq in seqs:
+        sched.add(seq)
+        fcfs.add(seq)
+    assert [s.priority for s in sched.waiting] == [-1, 0, 0, 5, 5]
+    assert list(sched.waiting) == [seqs[3], seqs[1], seqs[4], seqs[0], seqs[2]]
+    assert list(fcfs.waiting) == seqs
+    assert [s for s, _ in scheduled(sched.schedule())] == [seqs[3], seqs[1]]  # max_num_seqs 2: the first two
+
+
+def test_under_the_priority_policy_the_lowest_priority_running_sequence_is_preempted():
+    """Out of blocks, the running sequence of the lowest priority (not the newest) gives its blocks
+    back, and it waits in its place in the queue."""
+    sched = Scheduler(BlockManager(9, BLOCK_SIZE), 8, 64, True, by_priority=True)
+    low, urgent, mid = prioritized(prompt(8), 9), prioritized(prompt(8, 300), 0), prioritized(prompt(8, 600), 1)
+    for seq in (urgent, low):  # admitted one step apart: running [urgent, low, mid], urgent the longest
+        sched.add(seq)
+        complete_step(sched, sched.schedule())
+    sched.add(mid)  # the newest: fcfs would preempt it when urgent needs a block
+    batch = sched.schedule()
+    for _ in range(8):  # prefill, then decodes until the three need a 4th block each and the pool has none
+        if batch.num_preempted:
+            break
+        complete_step(sched, batch)
+        batch = sched.schedule()
+    assert batch.num_preempted == 1 and list(sched.waiting) == [low] and low.status is Status.WAITING
+    assert {s for s, _ in scheduled(batch)} <= {urgent, mid} and low not in sched.running

@@ -44,6 +44,7 @@ def chat_blueprint(rt: Runtime) -> Blueprint:
             structured=req.structured(rt.parser_spec),
             lease=kv_lease(req.prompt_cache_key),
             cache_salt=req.cache_salt,
+            priority=req.priority,
         )
 
         def encoder_for(prepared: list[PreparedPrompt]) -> ChatEncoder:

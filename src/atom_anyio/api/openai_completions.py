@@ -36,6 +36,7 @@ def completions_blueprint(rt: Runtime) -> Blueprint:
                 structured=structured,
                 lease=kv_lease(req.prompt_cache_key),
                 cache_salt=req.cache_salt,
+                priority=req.priority,
             )
             for p in req.prompts()
         ]

@@ -62,6 +62,7 @@ class SamplingFields(Lenient):
     user: str | None = None
     prompt_cache_key: str | None = None  # OpenAI's: the conversation whose KV lease the request renews
     cache_salt: str | None = Field(None, min_length=1)  # vLLM's: a tenant's prefix hits kept from another's
+    priority: int = Field(0, ge=-(2**31), lt=2**31)  # vLLM's: lower first, under scheduling_policy=priority
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False

@@ -124,6 +124,7 @@ class Responses:
             structured=only_one(response_format(req.text.format, "text.format"), calls),
             lease=kv_lease(req.prompt_cache_key),  # Codex sends its session id as both
             cache_salt=req.cache_salt,
+            priority=req.priority,
         )
 
     def _summary_prompt(self, req: ResponsesRequest, conversation: list[InputItem]) -> PromptRequest:

@@ -172,6 +172,7 @@ class ResponsesRequest(Lenient):
     safety_identifier: str | None = Field(None, max_length=64)
     prompt_cache_key: str | None = Field(None, max_length=64)  # echoed; the conversation whose KV lease it renews
     cache_salt: str | None = Field(None, min_length=1)  # vLLM's: a tenant's prefix hits kept from another's
+    priority: int = Field(0, ge=-(2**31), lt=2**31)  # vLLM's: lower first, under scheduling_policy=priority
     service_tier: Literal["auto", "default", "flex", "priority"] = "auto"
     stream: bool = False
     generate: bool = True  # false (WebSocket warm-up): the prompt is prefilled, nothing is generated

@@ -87,6 +87,7 @@ class Engine:
             cfg.max_num_batched_tokens,
             cfg.enable_prefix_caching,
             self.speculator,
+            by_priority=cfg.scheduling_policy == "priority",
         )
         graphs = (self.max_model_len, cfg.max_num_seqs) if cfg.cuda_graphs else None
         if cfg.tensor_parallel_size > 1:  # rank 0, driving the other ranks' processes

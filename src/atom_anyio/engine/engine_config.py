@@ -10,6 +10,8 @@ from atom_anyio.engine.speculative import SpeculativeConfig
 from atom_anyio.models.plan import ModelPlan
 from atom_anyio.settings import setting
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -37,6 +39,11 @@ class EngineConfig:
         "(vLLM's --kv-offloading-size); on the CPU a file on local disk, on a GPU pinned host memory; 0: off",
     )
     kv_offloading_dir: str | None = setting(None, "the directory of the CPU tier's file (default: the temp dir)")
+    scheduling_policy: str = setting(
+        "fcfs",
+        "vLLM's --scheduling-policy: fcfs (arrival order) or priority (a request's priority, lower first, then "
+        "arrival; the running sequence of the lowest priority is preempted first)",
+    )
     max_consecutive_step_failures: int = setting(3, "failed model steps in a row before the engine is unhealthy")
     max_pending_deltas: int = setting(64, "unread deltas per request; past it a slow reader's deltas are merged")
     # the forward leaves the GIL, and on the 2-core VM two threads served 1.6x the output of one at c16
@@ -90,6 +97,10 @@ class EngineConfig:
             raise ValueError(
                 f"kv_lease_fraction must be in [0, 1] and kv_lease_ttl_s at least 0, not "
                 f"{self.kv_lease_fraction} and {self.kv_lease_ttl_s}"
+            )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, not {self.scheduling_policy!r}"
             )
         if self.kv_offloading_size < 0:
             raise ValueError(f"kv_offloading_size must be at least 0, not {self.kv_offloading_size}")

@@ -43,6 +43,7 @@ class EngineRequest:
     reasoning_end_ids: tuple[int, ...] = ()
     lease: KVLease = KVLease()
     root_hash: int = ROOT_HASH  # the block-hash chain's root: salted_root(cache_salt)
+    priority: int = 0  # vLLM's: under scheduling_policy=priority, lower is scheduled first
 
     @property
     def num_prompt_tokens(self) -> int:

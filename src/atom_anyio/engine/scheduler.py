@@ -18,6 +18,7 @@ and its blocks are not freed until the step's result is back.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 from collections import deque
 from dataclasses import dataclass, field
@@ -51,8 +52,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         prefix_caching: bool,
         speculator: Speculator | None = None,
+        by_priority: bool = False,  # scheduling_policy=priority: the waiting queue in (priority, arrival) order
     ):
         self.bm = block_manager
+        self.by_priority = by_priority
         self.speculator = speculator
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -66,8 +69,13 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def add(self, seq: Sequence, front: bool = False) -> None:
+        """Queue ``seq``: last (``front``: first, a preempted one or a released choice), or under
+        ``by_priority`` in (priority, arrival) order, as vLLM's priority policy keeps its queue."""
         seq.status = Status.WAITING
-        (self.waiting.appendleft if front else self.waiting.append)(seq)
+        if self.by_priority:
+            self.waiting.insert(bisect.bisect_right(self.waiting, _order(seq), key=_order), seq)
+        else:
+            (self.waiting.appendleft if front else self.waiting.append)(seq)
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
@@ -129,11 +137,14 @@ class Scheduler:
         return self.speculator.propose(seq, budget - 1) if is_decode and budget > 1 else []
 
     def _victim(self, i: int) -> Sequence | None:
-        """The newest running sequence after ``running[i]`` that is in no step in flight."""
-        for j in range(len(self.running) - 1, i, -1):
-            if not self.running[j].num_scheduled_tokens:
-                return self.running[j]
-        return None
+        """The newest running sequence after ``running[i]`` that is in no step in flight; under
+        ``by_priority``, of those, the one of the lowest priority (then the newest), and only one that
+        ``running[i]`` outranks (else ``running[i]`` itself is preempted)."""
+        candidates = [s for s in self.running[i + 1 :] if not s.num_scheduled_tokens]
+        if not self.by_priority:
+            return candidates[-1] if candidates else None
+        victim = max(candidates, key=_order, default=None)
+        return victim if victim is not None and _order(victim) > _order(self.running[i]) else None
 
     def _preempt(self, seq: Sequence) -> None:
         self.bm.free_seq(seq)
@@ -161,6 +172,10 @@ class Scheduler:
         if not seq.num_scheduled_tokens:
             self.bm.free_seq(seq, lease=True)
         seq.status = Status.FINISHED
+
+
+def _order(seq: Sequence) -> tuple[int, float, int]:
+    return seq.priority, seq.arrival_time, seq.seq_id
 
 
 def runs_ahead(seq: Sequence) -> bool:

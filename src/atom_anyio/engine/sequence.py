@@ -59,6 +59,7 @@ class Sequence:
         self.block_hashes = list(request.block_hashes)  # chained hash of every full block
         self.root_hash = request.root_hash  # what the first block's hash chains on (a tenant's salt)
         self.lease = request.lease  # how its blocks outlast it
+        self.priority = request.priority  # under scheduling_policy=priority: lower first, then arrival
         self.block_table = array("i")  # block ids; an int32 buffer the worker reads without a copy
         self.num_computed_tokens = 0
         # async scheduling (0 otherwise): tokens in steps sent and not yet postprocessed, and the

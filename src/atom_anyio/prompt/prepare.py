@@ -74,6 +74,7 @@ class PromptRequest:
     structured: StructuredOutputs | None = None  # compiled in the same step, by the context's grammar compiler
     lease: KVLease = KVLease()  # how the request's KV outlasts it: its conversation and TTL, from the API's hints
     cache_salt: str | None = None  # vLLM's: a tenant's prefix hits kept from another's
+    priority: int = 0  # vLLM's: lower first, under the engine's scheduling_policy=priority
 
     @property
     def param(self) -> str:
@@ -98,6 +99,7 @@ class PrepareContext:
     max_kv_tokens: int | None = None  # the most one sequence can hold in the engine's KV pool; None: no bound
     model_vocab_size: int | None = None  # the model's embedding rows (the bound on token ids); None: the tokenizer's
     default_max_tokens: int | None = None  # for a request without max_tokens (the model's max_new_tokens); None: no cap
+    priority_scheduling: bool = False  # the engine's scheduling_policy is priority: a request may set one
     # a max_tokens past the context: the completion gets the rest of it (True), or the request is refused (vLLM)
     clamp_max_tokens: bool = True
     # ParserSpec.detect's choices over the served template: "auto" detects, "none" (offline) leaves the
@@ -116,6 +118,7 @@ class PrepareContext:
             block_size=engine.cfg.block_size,
             max_kv_tokens=engine.max_kv_tokens,
             model_vocab_size=engine.model_config.vocab_size,
+            priority_scheduling=engine.cfg.scheduling_policy == "priority",
             **kwargs,
         )
 
@@ -229,6 +232,11 @@ def prepare_prompt(request: PromptRequest, ctx: PrepareContext) -> PreparedPromp
     token_ids, text = _truncate_tokens(request, ctx, token_ids, text)
     max_tokens = _max_tokens(request, ctx, len(token_ids), num_dropped)
     _check_vocabulary(request.params, ctx)
+    if request.priority and not ctx.priority_scheduling:  # as vLLM refuses it under fcfs
+        raise PromptError(
+            f"priority {request.priority}: priority scheduling is not enabled (scheduling_policy=priority)",
+            param="priority",
+        )
     root = salted_root(request.cache_salt)
     engine_request = EngineRequest(
         token_ids,
@@ -239,6 +247,7 @@ def prepare_prompt(request: PromptRequest, ctx: PrepareContext) -> PreparedPromp
         ctx.reasoning_end_ids if opens_reasoning(text, ctx.parser_spec.reasoning_tags) else (),
         request.lease,
         root,
+        request.priority,
     )
     return PreparedPrompt(engine_request, text, num_hits, num_dropped)
 
