@@ -30,7 +30,7 @@ from atom_anyio.engine.detokenizer import IncrementalDetokenizer
 from atom_anyio.engine.engine_config import EngineConfig
 from atom_anyio.engine.in_flight import InFlight
 from atom_anyio.engine.kv_events import KVEventPublisher
-from atom_anyio.engine.kv_tier import MEDIUM_CPU, MEDIUM_DISK, TierIndex, num_tier_slots
+from atom_anyio.engine.kv_tier import TierIndex, num_tier_slots, tier_medium
 from atom_anyio.engine.output_processor import OutputProcessor, StepsFailing
 from atom_anyio.engine.request import EngineRequest
 from atom_anyio.engine.sampler import Sampler
@@ -67,9 +67,8 @@ class Engine:
         per_block = kv_bytes_per_token(loaded.model, param.dtype) * cfg.block_size
         num_blocks = cfg.num_kv_blocks or self._num_pool_blocks(per_block, kv_pool_bytes(cfg, loaded.model))
         self.kv_events = KVEventPublisher(cfg.kv_events) if cfg.kv_events else None  # runs with run()
-        device = next(loaded.model.parameters()).device
         tier_slots = num_tier_slots(cfg.kv_offloading_size, per_block) if cfg.enable_prefix_caching else 0
-        medium = MEDIUM_CPU if device.type == "cuda" else MEDIUM_DISK
+        medium = tier_medium(next(loaded.model.parameters()).device)
         self.block_manager = BlockManager(
             num_blocks,
             cfg.block_size,

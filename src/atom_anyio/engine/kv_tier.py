@@ -30,6 +30,11 @@ import torch
 MEDIUM_CPU, MEDIUM_DISK = "CPU", "DISK"  # the tier in KV events: pinned host memory, or a file
 
 
+def tier_medium(device: torch.device) -> str:
+    """Where a pool on ``device`` keeps its tier: pinned host memory for a GPU's, a file for the CPU's."""
+    return MEDIUM_CPU if device.type == "cuda" else MEDIUM_DISK
+
+
 class TierIndex:
     """Which block hashes the tier holds, in which slot, least recently used first; the transfers
     the next step runs. Lives with the block manager, in the loop."""
@@ -123,11 +128,9 @@ class TierStore:
         layers, kv, _, heads, dim = pool.shape
         shape = (num_slots, layers, kv, block_size, heads, dim)
         self.block_size = block_size
-        if pool.device.type == "cuda":
-            self.medium = MEDIUM_CPU
+        if tier_medium(pool.device) == MEDIUM_CPU:
             self.slots = torch.empty(shape, dtype=pool.dtype, pin_memory=True)
         else:
-            self.medium = MEDIUM_DISK
             self.slots = mapped_file(shape, pool.dtype, directory)
 
     def transfer(self, pool: torch.Tensor, saves: list[tuple[int, int]], loads: list[tuple[int, int]]) -> None:
