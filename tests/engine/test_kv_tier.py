@@ -152,3 +152,22 @@ async def test_a_history_restored_from_the_tier_gives_the_same_greedy_tokens(tin
     fresh = Engine(tiny_model, EngineConfig(**small, enable_prefix_caching=False))
     ((computed, _),) = await greedy(fresh, [history])
     assert first == again == computed
+
+
+def test_a_block_the_pool_still_holds_is_never_restored_from_the_tier_beside_it():
+    """The pool lost a prompt's first block but kept the next ones, which the tier also holds (the
+    tier keeps what it restored): the lookup stops where the pool's blocks resume, so no hash is
+    cached in two pool blocks (whose second eviction would find its hash gone)."""
+    tier = TierIndex(64, BLOCK_SIZE, MEDIUM_DISK)
+    bm = BlockManager(10, BLOCK_SIZE, tier=tier)
+    tokens = prompt(0, 3)
+    run(bm, tokens)
+    for h in turn(tokens).block_hashes:  # the tier holds all three, as after an earlier restore
+        block_id = bm.cached[h]
+        tier.save(h, bm._tokens(block_id), block_id)
+    first = bm.cached[turn(tokens).block_hashes[0]]
+    bm.free.move_to_end(first, last=False)  # the first block is the LRU's next: taken, the others kept
+    run(bm, prompt(500, 0))
+    assert run(bm, tokens) == (0, 1)  # the first block from the tier, then recomputed from where the pool resumes
+    assert all(bm.blocks[b].hash == h for h, b in bm.cached.items())
+    assert sum(block.hash is not None for block in bm.blocks) == len(bm.cached)

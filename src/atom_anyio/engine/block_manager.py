@@ -129,6 +129,8 @@ class BlockManager:
             hits.blocks.append(block_id)
         if self.tier is not None:
             for i in range(len(hits.blocks), len(hashes)):
+                if hashes[i] in self.cached:  # the pool's (past a block it lost): computed again, never cached twice
+                    break
                 slot = self.tier.match(hashes[i], seq.token_ids[i * bs : (i + 1) * bs])
                 if slot is None:
                     break
@@ -171,15 +173,19 @@ class BlockManager:
         self.tier.pin(hits.tier_slots)  # the blocks taken below may save others to the tier: not into these
         for i, slot in enumerate(hits.tier_slots, start=first):
             block_id = self._take_fresh()
-            block = self.blocks[block_id]
-            block.ref_count = 1
-            block.hash = h = seq.block_hashes[i]
-            self.block_tokens[block_id * bs : (block_id + 1) * bs] = array("i", seq.token_ids[i * bs : (i + 1) * bs])
-            self.cached[h] = block_id
+            self.blocks[block_id].ref_count = 1
+            self._cache(block_id, seq, i)
             self.tier.load(slot, block_id)
             seq.block_table.append(block_id)
         if self.events is not None and hits.tier_slots:
             self._record_stored(seq, list(range(first, len(hits))))
+
+    def _cache(self, block_id: int, seq: Sequence, i: int) -> None:
+        """Pool block ``block_id`` holds ``seq``'s block ``i``: cached under its hash, with its tokens."""
+        bs = self.block_size
+        self.blocks[block_id].hash = h = seq.block_hashes[i]
+        self.block_tokens[block_id * bs : (block_id + 1) * bs] = array("i", seq.token_ids[i * bs : (i + 1) * bs])
+        self.cached[h] = block_id
 
     def _tokens(self, block_id: int) -> array:
         return self.block_tokens[block_id * self.block_size : (block_id + 1) * self.block_size]
@@ -232,14 +238,10 @@ class BlockManager:
                 seq.block_hashes.append(parent)
         stored = []
         for i in range(seq.num_committed_blocks, num_full):
-            block = self.blocks[seq.block_table[i]]
-            h = seq.block_hashes[i]
-            if block.hash is None and h not in self.cached:  # else: computed twice, keep the first
-                block.hash = h
-                self.block_tokens[block.block_id * bs : (block.block_id + 1) * bs] = array(
-                    "i", seq.token_ids[i * bs : (i + 1) * bs]
-                )
-                self.cached[h] = block.block_id
+            block_id = seq.block_table[i]
+            # a block computed twice (another sequence cached it meanwhile): the first is kept
+            if self.blocks[block_id].hash is None and seq.block_hashes[i] not in self.cached:
+                self._cache(block_id, seq, i)
                 stored.append(i)
         seq.num_committed_blocks = max(seq.num_committed_blocks, num_full)
         if self.events is not None and stored:
