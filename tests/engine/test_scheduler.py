@@ -5,6 +5,8 @@ run out and resumption from the prefix cache, finish freeing blocks."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from atom_anyio.engine.block_hash import block_hash_chain
 from atom_anyio.engine.block_manager import BlockManager
 from atom_anyio.engine.request import EngineRequest
@@ -215,7 +217,7 @@ def prioritized(token_ids: list[int], priority: int, max_tokens: int = 8) -> Seq
     request = EngineRequest(
         list(token_ids), block_hash_chain(token_ids, BLOCK_SIZE), SamplingParams(max_tokens=max_tokens), max_tokens
     )
-    return Sequence(EngineRequest(**{**request.__dict__, "priority": priority}), stream=None, detokenizer=None)
+    return Sequence(dataclasses.replace(request, priority=priority), stream=None, detokenizer=None)
 
 
 def test_under_the_priority_policy_the_queue_is_in_priority_then_arrival_order():
