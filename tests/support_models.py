@@ -6,13 +6,18 @@ the architectures beyond the dense Llama family: transformers' ``generate`` and 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
 
 from atom_anyio import LLM, SamplingParams
-from atom_anyio.models.gguf_file import load_gguf_tokenizer
+
+# the tiny model's own byte-level BPE (8,192 tokens) with SmolLM2's special tokens, ids and chat
+# template; tiny_tokenizer/build.py regenerates it
+TINY_TOKENIZER = Path(__file__).parent / "tiny_tokenizer"
+TINY_VOCAB_SIZE = len(transformers.AutoTokenizer.from_pretrained(TINY_TOKENIZER))  # the tiny Llama's too
 
 # words of the random prompts the engine tests mix (lengths and content vary with the seed)
 WORDS = [
@@ -34,10 +39,11 @@ WORDS = [
 ]
 
 
-def write_tiny_llama(path, tokenizer_gguf: str, seed: int = 0, **config: object):
-    """A 2-layer random Llama (seeded) in HF format with the SmolLM2 tokenizer; ``config`` overrides."""
+def write_tiny_llama(path, seed: int = 0, **config: object):
+    """A 2-layer random Llama (seeded) in HF format with ``TINY_TOKENIZER``; ``config`` overrides."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(TINY_TOKENIZER)
     defaults = {
-        "vocab_size": 49152,
+        "vocab_size": TINY_VOCAB_SIZE,
         "hidden_size": 64,
         "intermediate_size": 128,
         "num_hidden_layers": 2,
@@ -53,7 +59,7 @@ def write_tiny_llama(path, tokenizer_gguf: str, seed: int = 0, **config: object)
     transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**defaults, **config})).save_pretrained(
         path, safe_serialization=True
     )
-    load_gguf_tokenizer(tokenizer_gguf).save_pretrained(path)
+    tokenizer.save_pretrained(path)
     return path
 
 

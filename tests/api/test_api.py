@@ -20,6 +20,7 @@ import anyio
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from support_fakes import hook_prepare
+from support_models import TINY_VOCAB_SIZE
 from support_servers import wait_until
 
 from atom_anyio.api.app import AtomApp
@@ -771,7 +772,7 @@ async def test_invalid_body_names_the_field(client):
         {"prompt": [[]]},
         {"prompt": ""},
         {"prompt": [-1]},
-        {"prompt": [49152]},
+        {"prompt": [TINY_VOCAB_SIZE]},
         {"prompt": ["a", [1, 2]]},
         {"prompt": "a", "max_tokens": 0},
         {"prompt": "a", "prompt_logprobs": 1, "stream": True},

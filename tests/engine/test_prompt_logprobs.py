@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
+from support_models import TINY_VOCAB_SIZE
 
 from atom_anyio.api.app import AtomApp
 from atom_anyio.config import Config
@@ -23,7 +24,7 @@ NUM_TOP = 3
 
 def random_prompts(count: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(3, 49152) for _ in range(rng.randint(2, 70))] for _ in range(count)]
+    return [[rng.randrange(3, TINY_VOCAB_SIZE) for _ in range(rng.randint(2, 70))] for _ in range(count)]
 
 
 @pytest.fixture(scope="module")

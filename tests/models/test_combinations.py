@@ -145,10 +145,10 @@ def test_packed_bfloat16_linears_give_the_plain_gemms_result(tiny_q4_1, rows, am
 
 
 @pytest.fixture(scope="module")
-def tiny_head_dim_64(tmp_path_factory, smollm2_path):
+def tiny_head_dim_64(tmp_path_factory):
     """A tiny random Llama whose heads are 64 wide (4 heads, 2 KV heads), like SmolLM2's."""
     path = tmp_path_factory.mktemp("tiny-head-dim-64")
-    return write_tiny_llama(path, smollm2_path, hidden_size=256, intermediate_size=256)
+    return write_tiny_llama(path, hidden_size=256, intermediate_size=256)
 
 
 @pytest.mark.parametrize(

@@ -69,11 +69,11 @@ def assert_all_gone(procs: list[psutil.Process]) -> None:
 
 
 @pytest.fixture(scope="module")
-def replicated_kv_dir(tmp_path_factory, smollm2_path) -> Path:
+def replicated_kv_dir(tmp_path_factory) -> Path:
     """A tiny Llama with one KV head: at two ranks, each holds it and half the query heads."""
     path = tmp_path_factory.mktemp("tiny-llama-kv1")
     return write_tiny_llama(
-        path, smollm2_path, seed=1, num_key_value_heads=1, max_position_embeddings=4096, tie_word_embeddings=False
+        path, seed=1, num_key_value_heads=1, max_position_embeddings=4096, tie_word_embeddings=False
     )
 
 
