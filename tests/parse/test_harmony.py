@@ -12,9 +12,9 @@ import pytest
 import torch
 import transformers
 from support_fakes import scripted
+from support_models import TINY_TOKENIZER
 from support_servers import serving_app
 
-from atom_anyio.models.gguf_file import load_gguf_tokenizer
 from atom_anyio.models.loader import load_model
 from atom_anyio.parse import OutputParser, ParserSpec
 from atom_anyio.parse.harmony import HarmonyParser
@@ -160,9 +160,9 @@ def test_the_harmony_parsers_are_detected_and_named_as_in_vllm():
 
 
 @pytest.fixture(scope="module")
-def harmony_model(tmp_path_factory, smollm2_path):
+def harmony_model(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-harmony")
-    tokenizer = load_gguf_tokenizer(smollm2_path)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(TINY_TOKENIZER)
     tokenizer.add_special_tokens({"additional_special_tokens": HARMONY_TOKENS})
     tokenizer.chat_template = Path(template_path("harmony")).read_text()
     tokenizer.save_pretrained(path)
