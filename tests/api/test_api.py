@@ -941,7 +941,7 @@ async def test_prepare_runs_off_the_event_loop_which_stays_responsive(tiny_model
         engine = atom.runtime.engine
         client = atom.quart.test_client()
         num_free = engine.block_manager.num_free_blocks
-        words = ["river", "stone", "cloud", "seven", "blue", "quickly", "under", "bright"]
+        words = ["river", "stone", "rain", "sea", "blue", "fast", "under", "light"]  # one token each: under 40k
         text = f"{random.random()} " + " ".join(random.choice(words) for _ in range(29_000))
         body = json.dumps(chat(text, max_tokens=1, stream=True)).encode()
 
