@@ -406,8 +406,15 @@ async def test_default_flags_sdk_clients_receive_structured_tool_calls_over_http
             assert use.name == "get_weather" and use.input == json.loads(ARGUMENTS)
 
 
-CUT_AT = 28  # tokens of CALL: '...{"city": "Paris", "unit": "c'
-CUT_ARGUMENTS = '{"city": "Paris", "unit": "c'
+def cut_inside_the_unit(tokenizer) -> tuple[int, str]:
+    """The fewest tokens of CALL that reach inside the unit's string, and the arguments they hold
+    (SmolLM2's tokenizer: 28 tokens, ``{"city": "Paris", "unit": "c``)."""
+    ids = tokenizer.encode(CALL, add_special_tokens=False)
+    opened = CALL.index('"unit": "') + len('"unit": "')
+    num_tokens = next(n for n in range(len(ids)) if len(tokenizer.decode(ids[:n])) > opened)
+    arguments = tokenizer.decode(ids[:num_tokens])[CALL.index(ARGUMENTS) :]
+    assert ARGUMENTS.startswith(arguments) and not arguments.endswith('"'), arguments  # the string still open
+    return num_tokens, arguments
 
 
 async def test_a_call_cut_by_max_tokens_is_a_cut_tool_call_in_every_api_never_content(smol):
@@ -419,33 +426,34 @@ async def test_a_call_cut_by_max_tokens_is_a_cut_tool_call_in_every_api_never_co
     from support_servers import served_over_http
 
     model = smol.runtime.model_name
+    cut_at, cut_arguments = cut_inside_the_unit(smol.runtime.loaded.tokenizer)
     async with served_over_http(smol) as base_url:
         oa = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
-        body = {"model": model, "messages": USER, "tools": [WEATHER_TOOL], "max_tokens": CUT_AT}
+        body = {"model": model, "messages": USER, "tools": [WEATHER_TOOL], "max_tokens": cut_at}
         with scripted(smol, CALL):
             first = await oa.chat.completions.create(**body)
         [call] = first.choices[0].message.tool_calls
         assert first.choices[0].finish_reason == "length" and first.choices[0].message.content is None
-        assert call.function.name == "get_weather" and call.function.arguments == CUT_ARGUMENTS
+        assert call.function.name == "get_weather" and call.function.arguments == cut_arguments
         with scripted(smol, CALL):
             chunks = [c async for c in await oa.chat.completions.create(**body, stream=True) if c.choices]
         assert "".join(c.choices[0].delta.content or "" for c in chunks) == ""
         deltas = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
         assert deltas[0].function.name == "get_weather" and {t.index for t in deltas} == {0}
-        assert "".join(t.function.arguments or "" for t in deltas) == CUT_ARGUMENTS
+        assert "".join(t.function.arguments or "" for t in deltas) == cut_arguments
         assert chunks[-1].choices[0].finish_reason == "length"
 
         tools = [{"type": "function", **WEATHER_TOOL["function"]}]
         with scripted(smol, CALL):
-            response = await oa.responses.create(model=model, input="Weather?", tools=tools, max_output_tokens=CUT_AT)
+            response = await oa.responses.create(model=model, input="Weather?", tools=tools, max_output_tokens=cut_at)
         assert response.status == "incomplete" and response.output_text == ""
         [item] = response.output
-        assert item.type == "function_call" and item.status == "incomplete" and item.arguments == CUT_ARGUMENTS
+        assert item.type == "function_call" and item.status == "incomplete" and item.arguments == cut_arguments
         await oa.close()
 
         tools = [{"name": "get_weather", "input_schema": WEATHER_TOOL["function"]["parameters"]}]
         async with anthropic.AsyncAnthropic(base_url=base_url, api_key="unused", max_retries=0) as an:
-            body = {"model": model, "max_tokens": CUT_AT, "messages": USER, "tools": tools}
+            body = {"model": model, "max_tokens": cut_at, "messages": USER, "tools": tools}
             with scripted(smol, CALL):
                 message = await an.messages.create(**body)
             with scripted(smol, CALL):
