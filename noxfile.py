@@ -22,6 +22,7 @@ def install(session: nox.Session, *extras: str) -> None:
 # torch's oneDNN and ATen kernels capped to it too
 TORCH_ISA = {
     "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"},
+    "avx512": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE", "ATEN_CPU_CAPABILITY": "avx512"},
     "avx512_bf16": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},
 }
 

@@ -90,7 +90,7 @@ def test_an_atom_variable_that_names_no_setting_gets_one_warning_naming_the_near
         ({}, ["--tool-call-parser", "nope"], "tool_call_parser"),
         ({}, ["--model", "/no/such/model"], "model: no such file or directory: /no/such/model"),
         ({"dtype": "float64"}, [], "dtype='float64' is not one of"),
-        ({"kernel_isa": "avx9"}, [], "ATOM_KERNEL_ISA=avx9: one of native, avx2, avx512_bf16"),
+        ({"kernel_isa": "avx9"}, [], "ATOM_KERNEL_ISA=avx9: one of native, avx2, avx512, avx512_bf16"),
     ],
 )
 def test_a_bad_setting_is_one_line_naming_it_and_a_non_zero_exit(env, args, named):

@@ -8,7 +8,9 @@ fails once, the reason is returned and the portable torch path is used.
 
 ``ATOM_KERNEL_ISA`` (``native`` by default) builds and picks them as on a CPU
 with less than this one: ``avx2`` as on an AVX2-only CPU (a Zen 3),
-``avx512_bf16`` as on one with AVX512-BF16 and no AMX (a Zen 4 or 5). The
+``avx512`` as on one with AVX512 but neither BF16 nor AMX (an Ice Lake or
+Skylake Xeon, or a VM that hides them), ``avx512_bf16`` as on one with
+AVX512-BF16 and no AMX (a Zen 4 or 5). The
 flags past it are hidden from everything that decides by them (``auto``'s
 dtype, the kernel variants, the attention's prefill path), so the suite runs
 what that CPU kind runs; torch's own kernels follow ``ONEDNN_MAX_CPU_ISA``
@@ -43,6 +45,7 @@ HEADERS = [
     CSRC / name
     for name in (
         "vec.h",
+        "gemm_f32.h",
         "kernels.h",
         "amx.h",
         "attention_loop.h",
@@ -59,6 +62,7 @@ FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
 KERNEL_ISAS = {
     "native": ("native", (), ()),
     "avx2": ("x86-64-v3", ("avx512", "amx"), ("avx2", "fma")),
+    "avx512": ("skylake-avx512", ("avx512_bf16", "amx", "avx512_fp16"), ("avx512f", "avx512bw", "avx512vl")),
     "avx512_bf16": ("cooperlake", ("amx", "avx512_fp16"), ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")),
 }
 
