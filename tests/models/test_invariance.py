@@ -245,6 +245,8 @@ def test_a_sequences_logits_do_not_depend_on_batch_chunks_cache_or_async(request
     backend, plan = whole.engine.worker.model.attention_backend, whole.loaded.plan
     assert backend.batch_invariant and plan.batch_invariant
     assert (plan.batch_invariant_why == "requested") == (setting is not None)
+    if dtype == "float32":  # every linear on the GEMV's arithmetic at any row count: fused too, no dense copy
+        assert plan.fused_decoder and not plan.dense_copies
     if model == "wide_gguf" and kernels.has_amx_linears():  # the tiles run it here
         assert backend.on_amx_tiles
         assert all(m.amx_weight is not None for m in whole.engine.worker.model.modules() if hasattr(m, "amx_weight"))

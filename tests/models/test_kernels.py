@@ -28,6 +28,7 @@ from atom_anyio.models.attention import (
     select_backend,
 )
 from atom_anyio.models.ops import (
+    BatchInvariantCpuOps,
     CpuOps,
     TorchOps,
     amx_linear,
@@ -377,6 +378,22 @@ def test_linear_streams_few_rows_and_equals_torch(rows, bias):
         torch.testing.assert_close(CpuOps.linear(x, layer), TorchOps.linear(x, layer), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [5, 8, 9, 16, 37, 300])  # 300: past a block of rows (the GEMM's L2 tile)
+@pytest.mark.parametrize("width", [96, 1536])
+def test_float32_linear_at_any_row_count_gives_each_row_its_bits_alone(rows, width):
+    """Batch-invariant float32 rows go through the GEMV's arithmetic at any count (as a blocked GEMM
+    past four, two rows to a sixteen-lane register where the CPU has AVX512): each row's outputs are
+    the bits of that row alone, through the 1-row GEMV, whatever the other rows; close to torch's GEMM."""
+    layer = torch.nn.Linear(width, 37)  # an odd width: the last weight rows take the tail path
+    x = torch.randn(rows, width, generator=torch.Generator().manual_seed(rows))
+    with torch.no_grad():
+        out = BatchInvariantCpuOps.linear(x, layer)
+        torch.testing.assert_close(out, TorchOps.linear(x, layer), atol=1e-5, rtol=1e-5)
+        for i in range(rows):
+            assert torch.equal(out[i], CpuOps.linear(x[i : i + 1], layer)[0]), f"row {i} of {rows}"
+        assert torch.equal(BatchInvariantCpuOps.lm_head(x, layer), out)
+
+
 @pytest.mark.parametrize("rows", [1, 4, 5, 16])
 def test_lm_head_in_vocabulary_slices_equals_one_gemm(rows):
     head = torch.nn.Linear(64, 3 * CpuOps.LOGITS_SLICE + 5, bias=False)  # a partial last slice
@@ -558,7 +575,12 @@ def test_store_kv_writes_what_index_copy_writes(dtype):
 
 # Other CPU kinds' builds, by -march: what auto builds on a Zen 3 (AVX2 only) and on a Zen 4/5
 # (AVX512-BF16, no AMX); the host's own build (-march=native) is the one loaded above
-OTHER_CPU_KINDS = {"x86-64-v3": "AVX2, no AVX512 (Zen 3)", "cooperlake": "AVX512-BF16, no AMX (Zen 4/5)"}
+OTHER_CPU_KINDS = {
+    "x86-64-v3": "AVX2, no AVX512 (Zen 3)",
+    "skylake-avx512": "AVX512, no BF16 or VNNI (Skylake Xeon)",
+    "icelake-server": "AVX512 with VNNI, no BF16 (Ice Lake Xeon)",
+    "cooperlake": "AVX512-BF16, no AMX (Zen 4/5)",
+}
 
 
 @pytest.mark.skipif(
@@ -612,6 +634,7 @@ def kernel_isa(monkeypatch):
     [
         ("native", "native", list(kernels.ISA_FLAGS), torch.bfloat16),
         ("avx2", "x86-64-v3", ["avx2", "fma"], torch.float32),
+        ("avx512", "skylake-avx512", ["avx2", "fma", "avx512f", "avx512bw", "avx512vl"], torch.float32),
         (
             "avx512_bf16",
             "cooperlake",
@@ -638,7 +661,7 @@ def test_kernel_isa_builds_and_picks_as_a_lower_cpu_kind_would(kernel_isa, isa, 
 
 def test_a_kernel_isa_it_does_not_know_or_this_cpu_lacks_is_one_line_naming_it(kernel_isa):
     cases = {
-        ("avx9", XEON): "ATOM_KERNEL_ISA=avx9: one of native, avx2, avx512_bf16",
+        ("avx9", XEON): "ATOM_KERNEL_ISA=avx9: one of native, avx2, avx512, avx512_bf16",
         ("avx512_bf16", "flags : fpu avx2 fma"): "ATOM_KERNEL_ISA=avx512_bf16: this CPU lacks avx512f, avx512bw, "
         "avx512vl, avx512_bf16",
         ("avx2", "flags : fpu sse2"): "ATOM_KERNEL_ISA=avx2: this CPU lacks avx2, fma",

@@ -38,7 +38,10 @@ def test_the_server_llm_and_a_rank_load_one_plan_for_one_set_of_settings(tiny_mo
         True,
         "requested",
     )
-    assert served.fused_decoder is False and served.fused_decoder_why  # the invariant linears run op by op
+    # float32: the invariant linears' GEMVs run in the fused decoder too; bfloat16's 16-row tiles op by op
+    assert served.fused_decoder == (served.dtype == "float32") and bool(served.fused_decoder_why) != (
+        served.dtype == "float32"
+    )
 
 
 def test_a_second_rank_loads_its_shard_as_rank_0s_plan_says(tiny_model_dir):

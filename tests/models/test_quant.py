@@ -17,7 +17,7 @@ from support_models import CPU_COMBINATIONS, assert_greedy_close
 from atom_anyio import LLM, SamplingParams, kernels
 from atom_anyio.models import quant
 from atom_anyio.models.loader import load_model
-from atom_anyio.models.ops import CpuOps, TorchOps
+from atom_anyio.models.ops import BatchInvariantCpuOps, CpuOps, TorchOps
 from atom_anyio.models.quant import BLOCK_BYTES, QuantizedWeight, QuantLinear
 
 Q = gguf.GGMLQuantizationType
@@ -60,6 +60,26 @@ def test_gemv_of_a_few_rows_is_within_the_int16_activation_bound(qtype, rows, cp
     assert error.max() < 1e-3 * expected.abs().max()  # and far below the quantization error of the weights
 
 
+@pytest.mark.parametrize("rows", [5, 8, 9, 16, 37, 130])  # 130: past a block of rows (the GEMM's L2 tile)
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+def test_the_gemv_at_any_row_count_gives_each_row_its_bits_alone(qtype, rows, cpu_kernels):
+    """Batch-invariant float32 rows go through the GEMV's arithmetic at any count (as a blocked GEMM
+    past four, sixteen lanes where the CPU has AVX512): each row's outputs are the bits of that row
+    alone, through the 1-row GEMV, whatever the other rows; a dense copy beside the blocks is not read.
+    Batch invariance of every GGUF linear in float32 rests on it."""
+    w, reference = random_quantized(100, 1024, qtype, seed=rows)  # 100: a tail past the last four weight rows
+    x = torch.randn(rows, 1024, generator=torch.Generator().manual_seed(rows)) * 3
+    bias = torch.randn(100)
+    layer = QuantLinearLike(w, bias)
+    out = BatchInvariantCpuOps.linear(x, layer)
+    assert (((out - F.linear(x, reference, bias)).abs()) <= gemv_tolerance(x, w) + 1e-4).all()
+    for i in range(rows):
+        assert torch.equal(out[i], CpuOps.linear(x[i : i + 1], layer)[0]), f"row {i} of {rows}"
+    assert torch.equal(out[3:7], CpuOps.linear(x[3:7], layer))  # four rows: the GEMV's own four-row form
+    with_copy = QuantLinearLike(replace(w, dense=reference), bias)
+    assert torch.equal(BatchInvariantCpuOps.linear(x, with_copy), out)
+
+
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 4])
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
@@ -76,13 +96,17 @@ def test_bfloat16_gemv_is_the_float32_gemv_rounded(qtype, rows, bias, cpu_kernel
 
 @pytest.mark.parametrize("rows", [5, 64, 300])
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
-def test_larger_batches_run_dequantized_slices_through_a_gemm(qtype, rows, cpu_kernels):
+def test_larger_bfloat16_batches_run_dequantized_slices_through_a_gemm(qtype, rows, cpu_kernels):
+    """bfloat16 rows past four, over blocks without a dense copy: slices dequantized in bfloat16, each
+    through torch's GEMM (float32 rows take the GEMV's arithmetic at any count instead)."""
     n = quant.slice_rows(64) * 2 + 7  # slices that do not divide the rows
     w, reference = random_quantized(n, 64, qtype)
-    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
-    out = CpuOps.linear(x, QuantLinearLike(w, None))
-    torch.testing.assert_close(out, F.linear(x, reference), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(CpuOps.lm_head(x, QuantLinearLike(w, None)), out, rtol=0, atol=0)
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    layer = QuantLinearLike(w.to(dtype=torch.bfloat16), None)
+    out = CpuOps.linear(x, layer)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, F.linear(x, reference.bfloat16()), rtol=2**-7, atol=1e-2)
+    assert torch.equal(CpuOps.lm_head(x, layer), out)
 
 
 def test_torch_ops_dequantize_on_the_fly_to_the_same_bits():
@@ -146,25 +170,28 @@ def test_k_quant_dequantize_equals_gguf_dequantize_bit_for_bit(qtype, cpu_kernel
     assert torch.equal(CpuOps.dequantize(w.to(dtype=torch.bfloat16)), reference.bfloat16())
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 40])  # past four, batch-invariant: four rows at a time
 @pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda t: t.name)
 def test_k_quant_gemv_is_within_the_int16_activation_bound(qtype, rows, cpu_kernels):
     w, reference = random_k_quantized(50, 768, qtype, seed=rows)
     x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows)) * 3
     bias = torch.randn(50)
-    out = CpuOps.linear(x, QuantLinearLike(w, bias))
+    out = BatchInvariantCpuOps.linear(x, QuantLinearLike(w, bias))
     expected = F.linear(x, reference, bias)
     error = (out - expected).abs()
     assert (error <= k_gemv_tolerance(x, w, reference)).all(), error.max()
     assert error.max() < 1e-3 * expected.abs().max()
+    for i in range(rows):
+        assert torch.equal(out[i], CpuOps.linear(x[i : i + 1], QuantLinearLike(w, bias))[0]), f"row {i} of {rows}"
 
 
 @pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda t: t.name)
-def test_k_quant_batches_run_dequantized_slices_through_a_gemm(qtype, cpu_kernels):
+def test_k_quant_bfloat16_batches_run_dequantized_slices_through_a_gemm(qtype, cpu_kernels):
     n = quant.slice_rows(256) * 2 + 5
     w, reference = random_k_quantized(n, 256, qtype)
-    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(1))
-    torch.testing.assert_close(CpuOps.linear(x, QuantLinearLike(w, None)), F.linear(x, reference), rtol=1e-5, atol=1e-4)
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(1)).bfloat16()
+    out = CpuOps.linear(x, QuantLinearLike(w.to(dtype=torch.bfloat16), None))
+    torch.testing.assert_close(out, F.linear(x, reference.bfloat16()), rtol=2**-7, atol=2e-2)
 
 
 @pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda t: t.name)

@@ -12,6 +12,8 @@ linear packed, as ``pack_bf16_linears`` leaves it: on the AMX GEMM at any row
 count, or oneDNN's packed weight, a GGUF layer's own blocks serving 1-4 rows),
 else None with the reason. The oneDNN form is what a CPU with AVX512-BF16 and
 no AMX (Zen 4, Zen 5) runs, and ``cpu_amx=false`` forces it on one with AMX.
+With ``batch_invariant`` in float32 it runs too, every linear through the
+GEMVs at any row count as ``BatchInvariantCpuOps`` runs them.
 The decoder holds the model's own weight tensors, not copies, and runs the
 kernel variants its attention backend runs (``native``, ``amx``: the plan's).
 The loader builds it once and records in the plan whether it runs and why.
@@ -23,7 +25,7 @@ import torch
 from torch import nn
 
 from atom_anyio import kernels
-from atom_anyio.models.ops import CpuOps
+from atom_anyio.models.ops import BatchInvariantCpuOps, CpuOps
 from atom_anyio.models.quant import BLOCKS, QuantizedWeight, slice_rows
 
 FLOAT = -1  # decoder.cpp's type of a float32 weight
@@ -33,7 +35,8 @@ def build(model: nn.Module) -> tuple[torch.ScriptObject | None, str | None]:
     """``(decoder, None)``, or ``(None, why not)``."""
     cfg = model.config
     backend = model.attention_backend
-    if type(backend.ops) is not CpuOps:
+    invariant = type(backend.ops) is BatchInvariantCpuOps
+    if type(backend.ops) is not CpuOps and not invariant:
         return None, f"attention backend {backend.name!r} (the fused decoder runs the cpu kernels)"
     if model.tp.size > 1:
         return None, "tensor parallelism"
@@ -42,6 +45,8 @@ def build(model: nn.Module) -> tuple[torch.ScriptObject | None, str | None]:
     if any(p.device.type != "cpu" for p in model.parameters()):
         return None, "weights off the CPU"
     bfloat16 = any(p.dtype != torch.float32 for p in model.parameters())
+    if invariant and bfloat16:  # its 16-row tiles run op by op
+        return None, "batch invariance in bfloat16 without AMX (BatchInvariantCpuOps' tiles)"
     if bfloat16 and (why := _not_packed(model)):
         return None, f"weights other than float32 on the CPU, and bfloat16 {why}"
     if kernels.load_cpu_kernels() is not None:
@@ -52,6 +57,8 @@ def build(model: nn.Module) -> tuple[torch.ScriptObject | None, str | None]:
     decoder = torch.classes.atom.Decoder(*shape, cfg.rms_norm_eps, backend.native, backend.amx)
     if bfloat16:
         decoder.use_bfloat16()
+    if invariant:
+        decoder.use_batch_invariant()
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
         q_norm, k_norm = (attn.q_norm.weight, attn.k_norm.weight) if hasattr(attn, "q_norm") else (None, None)
@@ -77,7 +84,7 @@ def build(model: nn.Module) -> tuple[torch.ScriptObject | None, str | None]:
             if weight is None:
                 return None, f"layer {i}: a {qtype} weight"
             decoder.set_linear(slot, weight, qtype, linear.bias, slice_rows(linear.weight.shape[1]))
-            if isinstance(linear.weight, QuantizedWeight) and linear.weight.dense is not None:
+            if isinstance(linear.weight, QuantizedWeight) and linear.weight.dense is not None and not invariant:
                 decoder.set_dense(slot, linear.weight.dense)  # past four rows its GEMM, as quant.cpu_linear
     weight, qtype = (
         _embedding(model.model.embed_tokens.weight) if bfloat16 else _weight(model.model.embed_tokens.weight)

@@ -117,8 +117,11 @@ def load_planned(plan: ModelPlan, rank: int = 0) -> LoadedModel:
     invariant, switches = bool(plan.batch_invariant_requested), (plan.native_kernels, plan.amx)
     model = build_model(cfg, tp.shard_state(state), dtype, device, plan.attention_requested, tp, invariant, *switches)
     backend = model.attention_backend
-    dense_copies = plan.weight_layout == "both" and (
-        plan.gguf_weights == "both" or dense_copy_fits(quant.dense_bytes(model))
+    # float32 and invariant: every linear runs its blocks' GEMV at any row count, and a copy would go unread
+    dense_copies = (
+        plan.weight_layout == "both"
+        and not (invariant and dtype == torch.float32)
+        and (plan.gguf_weights == "both" or dense_copy_fits(quant.dense_bytes(model)))
     )
     if dense_copies:
         quant.add_dense_copies(model)

@@ -158,11 +158,16 @@ class BatchInvariantCpuOps(CpuOps):
         if on_amx_tiles(layer):  # CpuOps' AMX GEMM: one chain of tile products per element at any row count
             return CpuOps.linear(x, layer)
         if getattr(layer, "packed_weight", None) is None:
-            if isinstance(w, QuantizedWeight) and w.dense is None:
-                return _gemv_rows(x, w.shape[0], torch.ops.atom.qgemv, w.data, w.qtype.value, layer.bias)
-            dense = w.dense if isinstance(w, QuantizedWeight) else w
-            if _float32_gemv_runs(x, dense):  # a dense copy too: MKL's GEMM gave a row other bits now and then
-                return _gemv_rows(x, w.shape[0], torch.ops.atom.gemv, dense, layer.bias)
+            if isinstance(w, QuantizedWeight):  # the blocks' GEMV at any row count, a dense copy or not
+                if x.dtype not in quant.GEMV_DTYPES:
+                    return BatchInvariantCpuOps.linear(x.float(), layer).to(x.dtype)
+                out = x.new_empty(x.shape[0], w.shape[0])
+                torch.ops.atom.qgemv(out, x.contiguous(), w.data, w.qtype.value, layer.bias)
+                return out
+            if _float32_gemv_runs(x, w):  # the float32 GEMV at any row count (MKL gave a row other bits)
+                out = x.new_empty(x.shape[0], w.shape[0])
+                torch.ops.atom.gemv(out, x.contiguous(), w, layer.bias)
+                return out
         x, rows = _padded(x, BatchInvariantCpuOps.TILE_ROWS)
         tiles = [_tile_linear(t, layer) for t in x.split(BatchInvariantCpuOps.TILE_ROWS)]
         return (tiles[0] if len(tiles) == 1 else torch.cat(tiles))[:rows]
@@ -185,18 +190,6 @@ def _float32_gemv_runs(x: torch.Tensor, w: torch.Tensor | QuantizedWeight) -> bo
         and w.shape[1] % 8 == 0
         and w.is_contiguous()
     )
-
-
-def _gemv_rows(x: torch.Tensor, n: int, gemv, *weight) -> torch.Tensor:
-    """``x``'s rows through one of the project's GEMVs (``gemv(out, x, *weight)``: the float32 one,
-    or the quantized one over a layer's blocks), always ``MAX_GEMV_ROWS`` at a time, the last group
-    padded: each row's sums in one fixed order whatever the other rows, where torch's float32 GEMM
-    (MKL) promises that for no shape."""
-    x, rows = _padded(x, CpuOps.MAX_GEMV_ROWS)
-    out = x.new_empty(x.shape[0], n)
-    for i in range(0, x.shape[0], CpuOps.MAX_GEMV_ROWS):
-        gemv(out[i : i + CpuOps.MAX_GEMV_ROWS], x[i : i + CpuOps.MAX_GEMV_ROWS], *weight)
-    return out[:rows]
 
 
 def _tile_linear(x: torch.Tensor, layer: torch.nn.Linear | quant.QuantLinear) -> torch.Tensor:

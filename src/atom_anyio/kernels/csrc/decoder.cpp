@@ -13,7 +13,9 @@
 //   end: x = add_rms_norm(x, residual) with the final norm
 //
 // float32: every linear float32 (gemv up to 4 rows, torch's linear beyond) or
-// GGUF blocks (qgemv up to 4 rows, dequantized slices and GEMMs beyond).
+// GGUF blocks (qgemv up to 4 rows, dequantized slices and GEMMs beyond); batch-
+// invariant (`use_batch_invariant`), gemv / qgemv at any row count, as
+// BatchInvariantCpuOps runs them (each element one arithmetic whatever M).
 // bfloat16 (`use_bfloat16`): activations, norms, embedding and caches bfloat16,
 // each linear as CpuOps runs it op by op: on the AMX GEMM at any row count
 // (gemm.cpp, the weights packed as B tiles), or on oneDNN's packed weight (a CPU
@@ -69,6 +71,7 @@ struct Linear {
   at::Tensor amx;          // bfloat16: the weight as the AMX GEMM's B tiles (ops.pack_amx_weight), any row count
   at::Tensor onednn;       // bfloat16: the weight packed by oneDNN; past MAX_GEMV_ROWS, or at any count without blocks
   at::Tensor bias_f32;     // bfloat16 over blocks: the bias widened, as the qgemv op widens it
+  bool any_rows = false;   // float32, batch-invariant: gemv / qgemv at any row count (BatchInvariantCpuOps)
 
   bool set() const { return weight.defined() || amx.defined() || onednn.defined(); }
 
@@ -90,7 +93,7 @@ struct Linear {
       return of.to(at::kBFloat16);
     }
     const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
-    if (M <= MAX_GEMV_ROWS) {
+    if (M <= MAX_GEMV_ROWS || any_rows) {
       at::Tensor out = at::empty({M, N}, x.options());
       if (qtype == FLOAT)
         atom::gemv_f32(out.data_ptr<float>(), x.data_ptr<float>(), M, K, weight.data_ptr<float>(), N, b);
@@ -187,8 +190,15 @@ class Decoder : public torch::CustomClassHolder {
                                            weight.size(1) == atom::quant_row_bytes(qtype, lin.K);
     TORCH_CHECK(fits, "Decoder: linear ", slot, " of type ", qtype, " does not match K = ", lin.K);
     TORCH_CHECK(qtype == FLOAT || slice_rows > 0, "Decoder: a quantized linear needs slice_rows > 0");
-    lin.weight = weight, lin.qtype = qtype, lin.slice_rows = slice_rows;
+    lin.weight = weight, lin.qtype = qtype, lin.slice_rows = slice_rows, lin.any_rows = invariant_;
     if (bias.has_value()) check_float(*bias, lin.N, "bias"), lin.bias = *bias;
+  }
+
+  // float32 batch invariance (BatchInvariantCpuOps): every linear through gemv / qgemv at any row count,
+  // each output element by one arithmetic whatever the step holds; before any layer is added
+  void use_batch_invariant() {
+    TORCH_CHECK(layers_.empty() && dtype_ == at::kFloat, "Decoder: use_batch_invariant comes first, in float32");
+    invariant_ = true;
   }
 
   // bfloat16 activations, norms, embedding and caches, each linear on the AMX tiles (set_amx_linear) or
@@ -406,6 +416,7 @@ class Decoder : public torch::CustomClassHolder {
   float eps_;
   bool native_, amx_;
   at::ScalarType dtype_ = at::kFloat;
+  bool invariant_ = false;
   std::vector<Layer> layers_;
   at::Tensor embedding_, norm_;
   int64_t embedding_qtype_ = FLOAT;
@@ -420,6 +431,7 @@ void atom::register_decoder(torch::Library& m) {
       .def("set_linear", &Decoder::set_linear)
       .def("set_dense", &Decoder::set_dense)
       .def("use_bfloat16", &Decoder::use_bfloat16)
+      .def("use_batch_invariant", &Decoder::use_batch_invariant)
       .def("set_amx_linear", &Decoder::set_amx_linear)
       .def("set_onednn_linear", &Decoder::set_onednn_linear)
       .def("set_embedding", &Decoder::set_embedding)

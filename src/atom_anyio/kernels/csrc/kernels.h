@@ -41,10 +41,11 @@ void add_rms_norm_bf16(c10::BFloat16* x, c10::BFloat16* residual, const c10::BFl
 void silu_and_mul_bf16(c10::BFloat16* out, const c10::BFloat16* x, int64_t rows, int64_t n, bool native);
 void rotary_bf16(c10::BFloat16* q, int64_t q_stride, int64_t q_heads, c10::BFloat16* k, int64_t k_stride,
                  int64_t k_heads, int64_t tokens, int64_t D, const float* cos, const float* sin, bool native);
-// out [M, N] = x [M, K] W^T (+ bias), M in 1..4, W float32 [N, K]
+// out [M, N] = x [M, K] W^T (+ bias), any M >= 1 (each element one arithmetic whatever M), W float32 [N, K]
 void gemv_f32(float* out, const float* x, int64_t M, int64_t K, const float* w, int64_t N, const float* bias);
 
-// quant.cpp: the same with W as GGUF blocks of ggml type `type`; rows of W dequantized
+// quant.cpp: the same with W as GGUF blocks of ggml type `type` (the int16 GEMV's arithmetic at any M); rows of
+// W dequantized
 int64_t quant_row_bytes(int64_t type, int64_t K);
 void qgemv_f32(float* out, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int64_t type,
                const float* bias);

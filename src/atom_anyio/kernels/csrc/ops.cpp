@@ -7,8 +7,10 @@
 // silu_and_mul:      out = silu(x[:, :n]) * x[:, n:]
 // rotary_embedding:  q, k rotated in place (rotate-half / NeoX layout)
 //                    by cos, sin [T, D/2] float32
-// gemv:              out = x W^T (+ b) for a few rows of x, float32: the
-//                    weights stream once through memory, in order
+// gemv:              out = x W^T (+ b) for any number of rows of x, float32, each
+//                    element by one arithmetic whatever the rows (gemm_f32.h): a
+//                    decode's 1-4 rows stream the weights once, in order; more run
+//                    as a blocked GEMM of the same arithmetic (batch invariance)
 //
 // The elementwise ops have a native variant where the CPU has AVX512F/BW
 // ("elementwise_avx512"): sixteen lanes in place of eight, each lane computed
@@ -21,7 +23,9 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstring>
+#include <vector>
 
+#include "gemm_f32.h"
 #include "kernels.h"
 #include "vec.h"
 
@@ -231,39 +235,6 @@ void rotary_impl(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::
               cos.data_ptr<float>(), sin.data_ptr<float>(), native);
 }
 
-// R consecutive rows of W against the M rows of x; K is a multiple of 8
-template <int M, int R>
-inline void gemv_block(const float* x, int64_t K, const float* w, float* out, int64_t ldo, const float* bias) {
-  V8 acc[M][R];
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) acc[m][r] = splat(0.f);
-  for (int64_t k = 0; k < K; k += 8) {
-    V8 wr[R];
-    for (int r = 0; r < R; ++r) wr[r] = load(w + r * K + k);
-    for (int m = 0; m < M; ++m) {
-      const V8 xv = load(x + m * K + k);
-      for (int r = 0; r < R; ++r) acc[m][r] = fma(xv, wr[r], acc[m][r]);
-    }
-  }
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) out[m * ldo + r] = hsum(acc[m][r]) + (bias ? bias[r] : 0.f);
-}
-
-template <int M>
-void gemv_rows(float* op, const float* xp, int64_t K, const float* wp, int64_t N, const float* bias) {
-  constexpr int R = M == 1 ? 4 : 2;  // weight rows per block: independent FMA chains, within 16 registers
-  at::parallel_for(0, (N + R - 1) / R, 64, [&](int64_t b, int64_t e) {
-    for (int64_t blk = b; blk < e; ++blk) {
-      const int64_t n = blk * R;
-      if (n + R <= N) {
-        gemv_block<M, R>(xp, K, wp + n * K, op + n, N, bias ? bias + n : nullptr);
-      } else {
-        for (int64_t j = n; j < N; ++j) gemv_block<M, 1>(xp, K, wp + j * K, op + j, N, bias ? bias + j : nullptr);
-      }
-    }
-  });
-}
-
 template <typename T>
 struct RmsNorm {
   static void run(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, double eps, bool native) {
@@ -299,8 +270,8 @@ void gemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const c10::
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
               "gemv: float32 only");
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && out.is_contiguous(), "gemv: tensors must be contiguous");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == w.size(1) && x.size(1) % 8 == 0 && x.size(0) >= 1 && x.size(0) <= 4,
-              "gemv: x must be [1..4, K] with K a multiple of 8 and K = W's width");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == w.size(1) && x.size(1) % 8 == 0 && x.size(0) >= 1,
+              "gemv: x must be [M >= 1, K] with K a multiple of 8 and K = W's width");
   atom::gemv_f32(out.data_ptr<float>(), x.data_ptr<float>(), x.size(0), x.size(1), w.data_ptr<float>(), w.size(0),
                  b.has_value() ? b->data_ptr<float>() : nullptr);
 }
@@ -402,12 +373,8 @@ void rotary_bf16(c10::BFloat16* q, int64_t q_stride, int64_t q_heads, c10::BFloa
 }
 
 void gemv_f32(float* out, const float* x, int64_t M, int64_t K, const float* w, int64_t N, const float* bias) {
-  switch (M) {
-    case 1: return gemv_rows<1>(out, x, K, w, N, bias);
-    case 2: return gemv_rows<2>(out, x, K, w, N, bias);
-    case 3: return gemv_rows<3>(out, x, K, w, N, bias);
-    default: return gemv_rows<4>(out, x, K, w, N, bias);
-  }
+  const int64_t chunk = M <= 4 ? N : gemm::chunk_rows(K, int64_t(256) << 10);  // ~256 KB of W in cache
+  gemm::gemm(out, x, M, K, N, bias, chunk, [&](int64_t n0, int64_t, std::vector<float>&) { return w + n0 * K; });
 }
 
 }  // namespace atom

@@ -1,8 +1,10 @@
 // GGUF block-quantized weights used as they are stored (models/quant.py holds
 // them and has the portable reference of each op):
 //
-// qgemv:       out = x W^T (+ b) for 1-4 rows of float32 x; W's blocks are
-//              dequantized in registers, so the packed bytes stream once
+// qgemv:       out = x W^T (+ b) for any number of rows of float32 x, each
+//              element by the same arithmetic whatever the rows (batch-invariant);
+//              W's blocks are used as stored, so for a decode's 1-4 rows the
+//              packed bytes stream once
 // dequantize:  out = W as floats (rows of blocks; float32, bfloat16, float16)
 //
 // A row of W is K / 32 blocks of 32 weights, in ggml's layouts:
@@ -113,14 +115,17 @@ struct XBlocks {
   std::vector<float> dx, xsum;
 
   XBlocks(const float* x, int64_t rows, int64_t K) : a(rows * K), dx(rows * K / QK), xsum(rows * K / QK) {
-    for (int64_t b = 0; b < rows * K / QK; ++b) {
-      const float* xb = x + b * QK;
-      float amax = 0.f, sum = 0.f;
-      for (int j = 0; j < QK; ++j) amax = std::max(amax, std::abs(xb[j])), sum += xb[j];
-      const float d = amax / 32767.f, inv = d > 0.f ? 1.f / d : 0.f;
-      for (int j = 0; j < QK; ++j) a[b * QK + j] = int16_t(std::nearbyint(xb[j] * inv));
-      dx[b] = d, xsum[b] = sum;
-    }
+    // each block on its own, so a GEMM's rows are prepared in parallel with the same bits
+    at::parallel_for(0, rows * K / QK, rows > 4 ? 64 : rows * K / QK, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        const float* xb = x + b * QK;
+        float amax = 0.f, sum = 0.f;
+        for (int j = 0; j < QK; ++j) amax = std::max(amax, std::abs(xb[j])), sum += xb[j];
+        const float d = amax / 32767.f, inv = d > 0.f ? 1.f / d : 0.f;
+        for (int j = 0; j < QK; ++j) a[b * QK + j] = int16_t(std::nearbyint(xb[j] * inv));
+        dx[b] = d, xsum[b] = sum;
+      }
+    });
   }
 };
 
@@ -264,8 +269,8 @@ inline void super_block_scales(const uint8_t* b, SubScales s[8]) {
 // rows [n0, n1) of W against the M rows of x: per block, d dx (q . a) + m sum(x); even and odd blocks sum
 // apart, so that two chains of additions overlap
 template <int M, int64_t Type>
-void qgemv_rows(const XBlocks& x, int64_t K, const uint8_t* w, float* out, int64_t ldo, const float* bias, int64_t n0,
-                int64_t n1) {
+void qgemv_rows(const XBlocks& x, int64_t m0, int64_t K, const uint8_t* w, float* out, int64_t ldo, const float* bias,
+                int64_t n0, int64_t n1) {
   constexpr int64_t BB = Type == Q8_0 ? 34 : Type == Q4_1 ? 20 : 18;
   const int64_t nb = K / QK;
   const int16_t* a = x.a.data();
@@ -283,7 +288,7 @@ void qgemv_rows(const XBlocks& x, int64_t K, const uint8_t* w, float* out, int64
       const float d = half_at(blk);
       const float mn = Type == Q4_1 ? half_at(blk + 2) : -8.f * d;
       for (int m = 0; m < M; ++m) {
-        const int64_t xb = m * nb + b;
+        const int64_t xb = (m0 + m) * nb + b;
         acc[p][m] = fma(splat(d * dx[xb]), block_dot(q, a + xb * QK), acc[p][m]);
         if constexpr (Type != Q8_0) offset[p][m] += mn * xsum[xb];
       }
@@ -292,14 +297,14 @@ void qgemv_rows(const XBlocks& x, int64_t K, const uint8_t* w, float* out, int64
     for (; b + 2 <= nb; b += 2) add_block(b, 0), add_block(b + 1, 1);
     if (b < nb) add_block(b, 0);
     for (int m = 0; m < M; ++m)
-      out[m * ldo + n] = hsum(add(acc[0][m], acc[1][m])) + (offset[0][m] + offset[1][m]) + (bias ? bias[n] : 0.f);
+      out[(m0 + m) * ldo + n] = hsum(add(acc[0][m], acc[1][m])) + (offset[0][m] + offset[1][m]) + (bias ? bias[n] : 0.f);
   }
 }
 
 // the same for K-quants, a sub-block of 32 at a time: s dx (q . a) + m sum(x) (Q6_K: per half, no m)
 template <int M, int64_t Type>
-void kgemv_rows(const XBlocks& x, int64_t K, const uint8_t* w, float* out, int64_t ldo, const float* bias, int64_t n0,
-                int64_t n1) {
+void kgemv_rows(const XBlocks& x, int64_t m0, int64_t K, const uint8_t* w, float* out, int64_t ldo, const float* bias,
+                int64_t n0, int64_t n1) {
   constexpr int64_t BB = Type == Q4_K ? 144 : 210;
   const int64_t nb = K / QK;
   const int16_t* a = x.a.data();
@@ -318,7 +323,7 @@ void kgemv_rows(const XBlocks& x, int64_t K, const uint8_t* w, float* out, int64
       for (int j = 0; j < 8; ++j) {  // unrolled: each sub-block's shifts and offsets are constants
         const Weights16 q = sub_block_weights<Type>(blk, j);
         for (int m = 0; m < M; ++m) {
-          const int64_t xb = m * nb + sb * 8 + j;
+          const int64_t xb = (m0 + m) * nb + sb * 8 + j;
           if constexpr (Type == Q6_K) {
             acc[m] = fma(splat(s[j].s * dx[xb]), half_dot(q, a + xb * QK, 0), acc[m]);
             acc[m] = fma(splat(s[j].s2 * dx[xb]), half_dot(q, a + xb * QK, 1), acc[m]);
@@ -329,32 +334,217 @@ void kgemv_rows(const XBlocks& x, int64_t K, const uint8_t* w, float* out, int64
         }
       }
     }
-    for (int m = 0; m < M; ++m) out[m * ldo + n] = hsum(acc[m]) + offset[m] + (bias ? bias[n] : 0.f);
+    for (int m = 0; m < M; ++m) out[(m0 + m) * ldo + n] = hsum(acc[m]) + offset[m] + (bias ? bias[n] : 0.f);
   }
 }
 
 template <int M, int64_t Type>
-void qgemv_impl(float* op, const float* xp, int64_t K, const uint8_t* wp, int64_t N, const float* bias) {
-  const XBlocks xq(xp, M, K);
-  at::parallel_for(0, N, 16, [&](int64_t b, int64_t e) {
-    if constexpr (is_k_quant(Type))
-      kgemv_rows<M, Type>(xq, K, wp, op, N, bias, b, e);
-    else
-      qgemv_rows<M, Type>(xq, K, wp, op, N, bias, b, e);
-  });
+inline void gemv_group(const XBlocks& x, int64_t m0, int64_t K, const uint8_t* w, float* out, int64_t ldo,
+                       const float* bias, int64_t n0, int64_t n1) {
+  if constexpr (is_k_quant(Type))
+    kgemv_rows<M, Type>(x, m0, K, w, out, ldo, bias, n0, n1);
+  else
+    qgemv_rows<M, Type>(x, m0, K, w, out, ldo, bias, n0, n1);
 }
 
-template <int M>
-void qgemv_rows_of(float* out, const float* x, int64_t K, const uint8_t* w, int64_t N, int64_t type,
-                   const float* bias) {
-  switch (type) {
-    case Q4_0: return qgemv_impl<M, Q4_0>(out, x, K, w, N, bias);
-    case Q4_1: return qgemv_impl<M, Q4_1>(out, x, K, w, N, bias);
-    case Q8_0: return qgemv_impl<M, Q8_0>(out, x, K, w, N, bias);
-    case Q4_K: return qgemv_impl<M, Q4_K>(out, x, K, w, N, bias);
-    case Q6_K: return qgemv_impl<M, Q6_K>(out, x, K, w, N, bias);
-    default: block_bytes(type);
+#if defined(ATOM_ELEMENTWISE_AVX512) && defined(__AVX2__) && defined(__FMA__)
+// Past four rows, Q4_0/Q4_1/Q8_0 blocks sixteen lanes at a time with qgemv_rows' arithmetic: one register
+// holds a row's even-block accumulator (low half) and its odd-block one (high half), fed blocks b and
+// b + 1 side by side. Each half gets the eight int32 lanes block_dot gives that block (the same pairs of
+// products, exact in int32), scaled by the same d dx and added by the same fma; the offsets m sum(x) are
+// the same products and sums (sixteen rows of x to a register); the end is the same horizontal sum of
+// the two halves' sum. W's rows are decoded once per chunk (int16 weights, scales, offsets) and every
+// row of x passes over them, four at a time, a tile's x in L1.
+
+// x per row and pair of blocks (b, b + 1): the int16 halves [b 0..15 | b+1 0..15], [b 16..31 | b+1 16..31]
+// and the scales [dx_b x8 | dx_b+1 x8] (a missing b + 1: zeros); the blocks' sums, G rows to a register
+struct XPairs {
+  std::vector<int16_t> a;
+  std::vector<float> dx, sum;
+  int64_t nb, np;  // blocks, pairs of blocks
+
+  XPairs(const XBlocks& x, int64_t rows, int64_t K, int64_t G)
+      : a(rows * ((K / QK + 1) / 2) * 64), dx(rows * ((K / QK + 1) / 2) * 16), sum((rows + G - 1) / G * (K / QK) * 16),
+        nb(K / QK), np((K / QK + 1) / 2) {
+    at::parallel_for(0, rows, 16, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m)
+        for (int64_t b = 0; b < nb; ++b) {
+          const int64_t bp = b / 2, side = b % 2;
+          int16_t* dst = a.data() + (m * np + bp) * 64;
+          const int16_t* src = x.a.data() + (m * nb + b) * QK;
+          for (int j = 0; j < 16; ++j) dst[side * 16 + j] = src[j], dst[32 + side * 16 + j] = src[16 + j];
+          for (int j = 0; j < 8; ++j) dx[(m * np + bp) * 16 + side * 8 + j] = x.dx[m * nb + b];
+          sum[((m / G) * nb + b) * 16 + m % G] = x.xsum[m * nb + b];
+        }
+    });
   }
+};
+
+// a chunk of W's rows decoded: per row and pair of blocks, the int16 weights as XPairs holds x's and the
+// scales [d_b x8 | d_b+1 x8]; per row and block, the offset m (Q4_1's, Q4_0's -8 d)
+template <int64_t Type>
+struct WPairs {
+  std::vector<int16_t> q;
+  std::vector<float> d, m;
+  int64_t nb, np;
+
+  WPairs(int64_t rows, int64_t K) : q(rows * ((K / QK + 1) / 2) * 64), d(rows * ((K / QK + 1) / 2) * 16),
+                                    m(rows * (K / QK)), nb(K / QK), np((K / QK + 1) / 2) {}
+
+  void decode(const uint8_t* w, int64_t rows) {
+    constexpr int64_t BB = Type == Q8_0 ? 34 : Type == Q4_1 ? 20 : 18;
+    constexpr int off = Type == Q4_1 ? 4 : 2;
+    for (int64_t n = 0; n < rows; ++n) {
+      const uint8_t* row = w + n * nb * BB;
+      for (int64_t bp = 0; bp < np; ++bp) {
+        const uint8_t* blk = row + 2 * bp * BB;
+        const bool two = 2 * bp + 1 < nb;
+        const __m128i z = _mm_setzero_si128();
+        __m512i lo, hi;
+        if constexpr (Type == Q8_0) {
+          const __m128i l0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + off));
+          const __m128i h0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + off + 16));
+          const __m128i l1 = two ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + BB + off)) : z;
+          const __m128i h1 = two ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + BB + off + 16)) : z;
+          lo = _mm512_cvtepi8_epi16(_mm256_inserti128_si256(_mm256_castsi128_si256(l0), l1, 1));
+          hi = _mm512_cvtepi8_epi16(_mm256_inserti128_si256(_mm256_castsi128_si256(h0), h1, 1));
+        } else {
+          const __m128i b0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + off));
+          const __m128i b1 = two ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + BB + off)) : z;
+          const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_inserti128_si256(_mm256_castsi128_si256(b0), b1, 1));
+          lo = _mm512_and_si512(bytes, _mm512_set1_epi16(0x0F));
+          hi = _mm512_srli_epi16(bytes, 4);
+        }
+        _mm512_storeu_si512(q.data() + (n * np + bp) * 64, lo);
+        _mm512_storeu_si512(q.data() + (n * np + bp) * 64 + 32, hi);
+        const float d0 = half_at(blk), d1 = two ? half_at(blk + BB) : 0.f;
+        _mm512_storeu_ps(d.data() + (n * np + bp) * 16, _mm512_insertf32x8(_mm512_set1_ps(d0), _mm256_set1_ps(d1), 1));
+        for (int64_t b = 2 * bp; b < std::min(nb, 2 * bp + 2); ++b) {
+          const uint8_t* one = row + b * BB;
+          m[n * nb + b] = Type == Q4_1 ? half_at(one + 2) : Type == Q4_0 ? -8.f * half_at(one) : 0.f;
+        }
+      }
+    }
+  }
+};
+
+// MR rows of x (from row `row`) against R decoded rows of W (from `n`): hsum(even + odd) + offsets + bias
+template <int MR, int R, int64_t Type>
+void qtile16(const XPairs& x, int64_t row, const WPairs<Type>& w, int64_t n, const float* offsets, int lane,
+             float* out, int64_t ldo, const float* bias) {
+  __m512 acc[MR][R];
+  for (int i = 0; i < MR; ++i)
+    for (int r = 0; r < R; ++r) acc[i][r] = _mm512_setzero_ps();
+  // pair bp of blocks into the accumulators; `two`: both blocks (else the even one alone, its half only)
+  auto add_pair = [&](int64_t bp, bool two) {
+    __m512i lo[R], hi[R];
+    __m512 d[R];
+    for (int r = 0; r < R; ++r) {
+      const int16_t* q = w.q.data() + ((n + r) * w.np + bp) * 64;
+      lo[r] = _mm512_loadu_si512(q), hi[r] = _mm512_loadu_si512(q + 32);
+      d[r] = _mm512_loadu_ps(w.d.data() + ((n + r) * w.np + bp) * 16);
+    }
+    for (int i = 0; i < MR; ++i) {
+      const int16_t* a = x.a.data() + ((row + i) * x.np + bp) * 64;
+      const __m512i alo = _mm512_loadu_si512(a), ahi = _mm512_loadu_si512(a + 32);
+      const __m512 dx = _mm512_loadu_ps(x.dx.data() + ((row + i) * x.np + bp) * 16);
+      for (int r = 0; r < R; ++r) {
+#ifdef __AVX512VNNI__
+        const __m512i dot = _mm512_dpwssd_epi32(_mm512_madd_epi16(lo[r], alo), hi[r], ahi);
+#else
+        const __m512i dot = _mm512_add_epi32(_mm512_madd_epi16(lo[r], alo), _mm512_madd_epi16(hi[r], ahi));
+#endif
+        const __m512 sum = _mm512_fmadd_ps(_mm512_mul_ps(d[r], dx), _mm512_cvtepi32_ps(dot), acc[i][r]);
+        acc[i][r] = two ? sum : _mm512_mask_mov_ps(acc[i][r], 0x00FF, sum);
+      }
+    }
+  };
+  const int64_t whole = x.nb / 2;  // pairs with both blocks; an odd last block alone after them
+  for (int64_t bp = 0; bp < whole; ++bp) add_pair(bp, true);
+  if (whole < x.np) add_pair(whole, false);
+  for (int i = 0; i < MR; ++i)
+    for (int r = 0; r < R; ++r) {
+      const V8 even = {_mm512_castps512_ps256(acc[i][r])}, odd = {_mm512_extractf32x8_ps(acc[i][r], 1)};
+      out[i * ldo + r] = hsum(add(even, odd)) + offsets[r * 16 + lane + i] + (bias ? bias[r] : 0.f);
+    }
+}
+
+template <int64_t Type>
+using QTile16 = void (*)(const XPairs&, int64_t, const WPairs<Type>&, int64_t, const float*, int, float*, int64_t,
+                         const float*);
+template <int MR, int64_t Type>
+constexpr QTile16<Type> QTILES16_ROW[4] = {qtile16<MR, 1, Type>, qtile16<MR, 2, Type>, qtile16<MR, 3, Type>,
+                                           qtile16<MR, 4, Type>};
+template <int64_t Type>  // [rows of x - 1][rows of W - 1]
+constexpr const QTile16<Type>* QTILES16[4] = {QTILES16_ROW<1, Type>, QTILES16_ROW<2, Type>, QTILES16_ROW<3, Type>,
+                                             QTILES16_ROW<4, Type>};
+
+template <int64_t Type>
+void qgemm16(float* op, const XBlocks& xq, int64_t M, int64_t K, const uint8_t* wp, int64_t N, const float* bias) {
+  constexpr int MR = 3, R = 4;  // 12 accumulators, 12 registers of W and 3 of x: within the 32 (measured
+                                // against 4 x 3 and 2 x 4 on an AVX512 Xeon)
+  constexpr int64_t G = 16 / MR * MR;  // rows of x to a group: the offsets' register holds theirs
+  const XPairs x(xq, M, K, G);
+  const int64_t nb = K / QK, row_bytes = nb * block_bytes(Type);
+  const int64_t chunk = std::max<int64_t>(R, (int64_t(128) << 10) / (x.np * 192) / R * R);  // ~128 KB decoded
+  at::parallel_for(0, (N + R - 1) / R, 4, [&](int64_t b, int64_t e) {
+    const int64_t n_lo = b * R, n_hi = std::min(N, e * R);
+    WPairs<Type> w(chunk, K);
+    std::vector<float> offsets(chunk * 16);  // per row of W in the chunk: its m sum(x), a lane per row of x
+    for (int64_t c0 = n_lo; c0 < n_hi; c0 += chunk) {
+      const int64_t c1 = std::min(n_hi, c0 + chunk);
+      w.decode(wp + c0 * row_bytes, c1 - c0);
+      for (int64_t g = 0; g < M; g += G) {
+        // the offsets: even blocks' and odd blocks' products summed apart, in block order, then added
+        for (int64_t n = 0; n < c1 - c0; ++n) {
+          __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
+          if constexpr (Type != Q8_0)
+            for (int64_t blk = 0; blk < nb; ++blk) {
+              const __m512 xs = _mm512_loadu_ps(x.sum.data() + ((g / G) * nb + blk) * 16);
+              const __m512 p = _mm512_mul_ps(_mm512_set1_ps(w.m[n * nb + blk]), xs);
+              if (blk % 2) odd = _mm512_add_ps(odd, p); else even = _mm512_add_ps(even, p);
+            }
+          _mm512_storeu_ps(offsets.data() + n * 16, _mm512_add_ps(even, odd));
+        }
+        for (int64_t m = g; m < std::min(M, g + G); m += MR) {
+          const int mr = int(std::min<int64_t>(MR, M - m));
+          for (int64_t n = 0; n < c1 - c0; n += R) {
+            const int nr = int(std::min<int64_t>(R, c1 - c0 - n));
+            QTILES16<Type>[mr - 1][nr - 1](x, m, w, n, offsets.data() + n * 16, int(m - g), op + m * N + c0 + n, N,
+                                           bias ? bias + c0 + n : nullptr);
+          }
+        }
+      }
+    }
+  });
+}
+#endif
+
+// Any number of rows, each output element by the arithmetic of the 1-4 row GEMV whatever M is: the rows
+// four at a time through the same code (a row's sums never meet another row's), or past four rows the
+// sixteen-lane form of the same arithmetic where the CPU has AVX512 (qgemm16): batch-invariant by
+// construction. Each thread takes a range of W's rows in chunks that stay in cache (~64 KB) while every
+// group of x's rows passes over them.
+template <int64_t Type>
+void qgemm_impl(float* op, const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t N, const float* bias) {
+  const XBlocks xq(xp, M, K);
+#if defined(ATOM_ELEMENTWISE_AVX512) && defined(__AVX2__) && defined(__FMA__)
+  if constexpr (!is_k_quant(Type))
+    if (M > 4) return qgemm16<Type>(op, xq, M, K, wp, N, bias);
+#endif
+  const int64_t chunk = std::max<int64_t>(4, (int64_t(64) << 10) / (K / weights_per_block(Type) * block_bytes(Type)));
+  at::parallel_for(0, N, M <= 4 ? 16 : std::min<int64_t>(chunk, 16), [&](int64_t b, int64_t e) {
+    for (int64_t n0 = b; n0 < e; n0 += chunk) {
+      const int64_t n1 = std::min(e, n0 + chunk);
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) gemv_group<4, Type>(xq, m, K, wp, op, N, bias, n0, n1);
+      switch (M - m) {
+        case 3: gemv_group<3, Type>(xq, m, K, wp, op, N, bias, n0, n1); break;
+        case 2: gemv_group<2, Type>(xq, m, K, wp, op, N, bias, n0, n1); break;
+        case 1: gemv_group<1, Type>(xq, m, K, wp, op, N, bias, n0, n1); break;
+      }
+    }
+  });
 }
 
 void check_weight(const at::Tensor& w, int64_t K, int64_t type, const char* name) {
@@ -433,7 +623,7 @@ void qgemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64_t ty
   TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && out.scalar_type() == dtype,
               "qgemv: float32 or bfloat16 activations, and out of their dtype");
   TORCH_CHECK(x.is_contiguous() && out.is_contiguous(), "qgemv: tensors must be contiguous");
-  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= 4, "qgemv: x must be [1..4, K]");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1, "qgemv: x must be [M >= 1, K]");
   check_weight(w, x.size(1), type, "qgemv");
   TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == w.size(0), "qgemv: out must be [M, N]");
   const at::Tensor bias = b.has_value() ? b->to(at::kFloat).contiguous() : at::Tensor();
@@ -458,11 +648,13 @@ int64_t quant_row_bytes(int64_t type, int64_t K) { return K / weights_per_block(
 
 void qgemv_f32(float* out, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int64_t type,
                const float* bias) {
-  switch (M) {
-    case 1: return qgemv_rows_of<1>(out, x, K, w, N, type, bias);
-    case 2: return qgemv_rows_of<2>(out, x, K, w, N, type, bias);
-    case 3: return qgemv_rows_of<3>(out, x, K, w, N, type, bias);
-    default: return qgemv_rows_of<4>(out, x, K, w, N, type, bias);
+  switch (type) {
+    case Q4_0: return qgemm_impl<Q4_0>(out, x, M, K, w, N, bias);
+    case Q4_1: return qgemm_impl<Q4_1>(out, x, M, K, w, N, bias);
+    case Q8_0: return qgemm_impl<Q8_0>(out, x, M, K, w, N, bias);
+    case Q4_K: return qgemm_impl<Q4_K>(out, x, M, K, w, N, bias);
+    case Q6_K: return qgemm_impl<Q6_K>(out, x, M, K, w, N, bias);
+    default: block_bytes(type);
   }
 }
 
