@@ -331,11 +331,11 @@ def test_batch_invariance_of_a_mixture_of_experts_is_a_one_line_error(tmp_path, 
         LLM(str(tmp_path), dtype="float32", batch_invariant=True)
 
 
-@pytest.mark.parametrize("combination", ["bfloat16+both", "bfloat16+packed"])
-def test_speculation_in_bfloat16_is_exact_with_batch_invariance(tiny_gguf, combination):
-    """A verifying step scores the draft as a small chunk; with batch_invariant its rows are a
-    plain decode's bits, so tokens and logprobs equal the run without speculation (without it,
-    bfloat16 outputs may part at a near tie, as a batch's may: docs/engine.md)."""
+@pytest.mark.parametrize("combination", ["bfloat16+both", "bfloat16+packed", "float32+both", "float32+packed"])
+def test_speculation_is_exact_with_batch_invariance(tiny_gguf, combination):
+    """A verifying step scores the draft as a small chunk (five rows here); with batch_invariant its
+    rows are a plain decode's bits, so tokens and logprobs equal the run without speculation
+    (without it, outputs may part at a near tie, as a batch's may: docs/engine.md)."""
     dtype, gguf_weights = CPU_COMBINATIONS[combination]
     prompts = [TARGET[:200], OTHERS[3], OTHERS[9]]
 
@@ -353,7 +353,8 @@ def test_speculation_in_bfloat16_is_exact_with_batch_invariance(tiny_gguf, combi
 
 @pytest.mark.parametrize(
     ("dtype", "batch_invariant", "exact"),
-    [("float32", False, True), ("bfloat16", False, False), ("bfloat16", True, True)],
+    # float32 without invariance: a verifying chunk past four rows takes torch's GEMM, a decode the GEMV
+    [("float32", False, False), ("float32", True, True), ("bfloat16", False, False), ("bfloat16", True, True)],
 )
 def test_speculation_says_at_start_whether_it_is_exact(tiny_gguf, caplog, dtype, batch_invariant, exact):
     LLM(str(tiny_gguf), dtype=dtype, batch_invariant=batch_invariant, speculative_config={"method": "suffix"})

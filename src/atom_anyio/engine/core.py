@@ -77,8 +77,8 @@ class Engine:
             lease_fraction=cfg.kv_lease_fraction,
             tier=TierIndex(tier_slots, cfg.block_size, medium, self.kv_events is not None) if tier_slots else None,
         )
-        plan = loaded.plan  # a draft's step gives a plain decode's bits in float32 or batch-invariant
-        exact = plan is not None and (plan.dtype == "float32" or bool(plan.batch_invariant))
+        plan = loaded.plan  # a draft's step gives a plain decode's bits where the kernels are batch-invariant
+        exact = plan is not None and bool(plan.batch_invariant)
         self.speculator = speculator_for(cfg.speculative_config, cfg.async_scheduling, exact)
         self.scheduler = Scheduler(
             self.block_manager,

@@ -98,7 +98,7 @@ class SpeculativeConfig:
 def speculator_for(cfg: SpeculativeConfig | None, async_scheduling: bool, exact: bool) -> Speculator | None:
     """Speculative decoding, where configured and where it runs: not beside async scheduling, whose
     step in flight would have to guess how many of a draft's tokens its successor starts after.
-    ``exact``: a verifying step gives a plain decode's bits (float32, or batch-invariant kernels)."""
+    ``exact``: a verifying step gives a plain decode's bits (batch-invariant kernels)."""
     if cfg is None:
         return None
     if async_scheduling:
