@@ -354,7 +354,7 @@ inline void gemv_group(const XBlocks& x, int64_t m0, int64_t K, const uint8_t* w
 // products, exact in int32), scaled by the same d dx and added by the same fma; the offsets m sum(x) are
 // the same products and sums (sixteen rows of x to a register); the end is the same horizontal sum of
 // the two halves' sum. W's rows are decoded once per chunk (int16 weights, scales, offsets) and every
-// row of x passes over them, four at a time, a tile's x in L1.
+// row of x passes over them, three at a time, a tile's x in L1.
 
 // x per row and pair of blocks (b, b + 1): the int16 halves [b 0..15 | b+1 0..15], [b 16..31 | b+1 16..31]
 // and the scales [dx_b x8 | dx_b+1 x8] (a missing b + 1: zeros); the blocks' sums, G rows to a register
