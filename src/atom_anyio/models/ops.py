@@ -159,11 +159,7 @@ class BatchInvariantCpuOps(CpuOps):
             return CpuOps.linear(x, layer)
         if getattr(layer, "packed_weight", None) is None:
             if isinstance(w, QuantizedWeight):  # the blocks' GEMV at any row count, a dense copy or not
-                if x.dtype not in quant.GEMV_DTYPES:
-                    return BatchInvariantCpuOps.linear(x.float(), layer).to(x.dtype)
-                out = x.new_empty(x.shape[0], w.shape[0])
-                torch.ops.atom.qgemv(out, x.contiguous(), w.data, w.qtype.value, layer.bias)
-                return out
+                return quant.gemv_linear(x, w, layer.bias)
             if _float32_gemv_runs(x, w):  # the float32 GEMV at any row count (MKL gave a row other bits)
                 out = x.new_empty(x.shape[0], w.shape[0])
                 torch.ops.atom.gemv(out, x.contiguous(), w, layer.bias)

@@ -214,11 +214,7 @@ def cpu_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -
     if x.shape[0] == 0:  # a step that samples nothing (a long prompt's first chunks)
         return x.new_empty(0, n)
     if x.shape[0] <= MAX_GEMV_ROWS:  # decode: the hot path, kept lean
-        if x.dtype not in GEMV_DTYPES:
-            return cpu_linear(x.float(), w, None if bias is None else bias.float()).to(x.dtype)
-        out = x.new_empty(x.shape[0], n)
-        torch.ops.atom.qgemv(out, x.contiguous(), w.data, w.qtype.value, bias)
-        return out
+        return gemv_linear(x, w, bias)
     if w.dense is not None:
         return F.linear(x, w.dense, bias)
     x = x.contiguous()
@@ -232,6 +228,17 @@ def cpu_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -
         torch.mm(part, xt, out=out[start : start + rows])
     out = out.t()
     return (out if bias is None else out + bias).contiguous()
+
+
+def gemv_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x W^T + b`` through the GEMV over the blocks (float32 arithmetic) at any row count, each row
+    the bits it has alone (batch invariance rests on it); other dtypes than float32 and bfloat16 widen
+    to float32 and round back."""
+    if x.dtype not in GEMV_DTYPES:
+        return gemv_linear(x.float(), w, None if bias is None else bias.float()).to(x.dtype)
+    out = x.new_empty(x.shape[0], w.shape[0])
+    torch.ops.atom.qgemv(out, x.contiguous(), w.data, w.qtype.value, bias)
+    return out
 
 
 @functools.cache

@@ -1,9 +1,7 @@
 // The float32 GEMV/GEMM: out [M, N] = x [M, K] W^T (+ bias) for any M, each output element by one
 // arithmetic whatever M is, so batch-invariant by construction: eight lanes, lane j an FMA chain over
-// k = j, j + 8, ... in order from zero, then vec.h's horizontal sum, then the bias. W's rows come as
-// floats: the weight itself (ops.cpp's gemv) or GGUF blocks dequantized into a buffer a chunk at a time
-// (quant.cpp's qgemv), so that a quantized layer's output is the same bits as the float32 GEMV over its
-// dequantized copy.
+// k = j, j + 8, ... in order from zero, then vec.h's horizontal sum, then the bias (ops.cpp's gemv op;
+// GGUF blocks have quant.cpp's own int16 GEMV and GEMM).
 //
 // 1-4 rows (decodes): gemv_block, W's rows streaming once. More: the rows four at a time through the same
 // blocks, W in chunks that stay in cache; where the CPU has AVX512, two rows of x side by side in one
@@ -136,41 +134,34 @@ inline void gemm16_rows(const float* packed, int64_t M, int64_t K, const float* 
 }
 #endif
 
-// The driver: `rows(n0, n1, buffer)` gives W's rows [n0, n1) as floats, [n1 - n0, K] (the weight's own,
-// or `buffer` filled); each thread takes a range of W's rows, in chunks of `chunk` while they stay in
-// cache, and runs every row of x past each chunk
-template <typename Rows>
-void gemm(float* out, const float* x, int64_t M, int64_t K, int64_t N, const float* bias, int64_t chunk, Rows rows) {
+// The driver over W [N, K]: each thread takes a range of W's rows; past four rows of x, in chunks that stay
+// in cache (~256 KB) while every row of x passes over each
+inline void gemm(float* out, const float* x, int64_t M, int64_t K, const float* w, int64_t N, const float* bias) {
+  const int64_t chunk = M <= 4 ? N : std::max<int64_t>(4, (int64_t(256) << 10) / (K * int64_t(sizeof(float))));
 #ifdef ATOM_ELEMENTWISE_AVX512
   if (M > 4) {
-    const int64_t pairs = (M + 1) / 2;
+    const int64_t pairs = (M + 1) / 2, step = std::max<int64_t>(R16, chunk / R16 * R16);
     std::vector<float> packed(pairs * 2 * K);
     at::parallel_for(0, pairs, 16, [&](int64_t b, int64_t e) {
       pack_pairs(x + 2 * b * K, K, std::min(M, 2 * e) - 2 * b, packed.data() + b * 2 * K);
     });
-    chunk = std::max<int64_t>(R16, chunk / R16 * R16);
     at::parallel_for(0, (N + R16 - 1) / R16, 4, [&](int64_t b, int64_t e) {
-      std::vector<float> buffer;
       std::vector<__m512> acc;
-      for (int64_t c0 = b * R16, hi = std::min(N, e * R16); c0 < hi; c0 += chunk) {
-        const int64_t c1 = std::min(hi, c0 + chunk);
-        gemm16_rows(packed.data(), M, K, rows(c0, c1, buffer), c1 - c0, out + c0, N, bias ? bias + c0 : nullptr, acc);
+      for (int64_t c0 = b * R16, hi = std::min(N, e * R16); c0 < hi; c0 += step) {
+        const int64_t c1 = std::min(hi, c0 + step);
+        gemm16_rows(packed.data(), M, K, w + c0 * K, c1 - c0, out + c0, N, bias ? bias + c0 : nullptr, acc);
       }
     });
     return;
   }
 #endif
-  chunk = std::max<int64_t>(4, chunk / 4 * 4);
+  const int64_t step = std::max<int64_t>(4, chunk / 4 * 4);
   at::parallel_for(0, (N + 3) / 4, 16, [&](int64_t b, int64_t e) {
-    std::vector<float> buffer;
-    for (int64_t c0 = b * 4, hi = std::min(N, e * 4); c0 < hi; c0 += chunk) {
-      const int64_t c1 = std::min(hi, c0 + chunk);
-      gemv_any(x, M, K, rows(c0, c1, buffer), c1 - c0, out + c0, N, bias ? bias + c0 : nullptr);
+    for (int64_t c0 = b * 4, hi = std::min(N, e * 4); c0 < hi; c0 += step) {
+      const int64_t c1 = std::min(hi, c0 + step);
+      gemv_any(x, M, K, w + c0 * K, c1 - c0, out + c0, N, bias ? bias + c0 : nullptr);
     }
   });
 }
-
-// rows of W per chunk: ~`bytes` of floats
-inline int64_t chunk_rows(int64_t K, int64_t bytes) { return std::max<int64_t>(4, bytes / (K * int64_t(sizeof(float)))); }
 
 }  // namespace atom::gemm

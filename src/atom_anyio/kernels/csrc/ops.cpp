@@ -373,8 +373,7 @@ void rotary_bf16(c10::BFloat16* q, int64_t q_stride, int64_t q_heads, c10::BFloa
 }
 
 void gemv_f32(float* out, const float* x, int64_t M, int64_t K, const float* w, int64_t N, const float* bias) {
-  const int64_t chunk = M <= 4 ? N : gemm::chunk_rows(K, int64_t(256) << 10);  // ~256 KB of W in cache
-  gemm::gemm(out, x, M, K, N, bias, chunk, [&](int64_t n0, int64_t, std::vector<float>&) { return w + n0 * K; });
+  gemm::gemm(out, x, M, K, w, N, bias);
 }
 
 }  // namespace atom
