@@ -94,51 +94,57 @@ async def test_default_server_answers_long_prompts_and_stays_healthy(smollm2_pat
         assert (await client.get("/health")).status_code == 200
 
 
-AMX_LINEAR = "linear_amx_bf16"
+AMX_LINEAR, VEC_LINEAR = "linear_amx_bf16", "linear_avx512_bf16"
 
 
 @pytest.mark.skipif(not can_pack_bf16(), reason="packed bfloat16 GEMM: oneDNN has no native bfloat16 on this CPU")
 @pytest.mark.parametrize(
-    "amx",
+    "layout",
     [
-        pytest.param(False, id="onednn"),  # what a CPU with AVX512-BF16 and no AMX runs
+        pytest.param("onednn", id="onednn"),  # what a CPU with AVX512-BF16 and no AMX runs at the defaults
         pytest.param(
-            True,
-            id="amx",
+            "amx",
             marks=pytest.mark.skipif(
                 AMX_LINEAR not in kernels.native_kernels(), reason=f"{AMX_LINEAR}: no AMX tiles on this CPU or OS"
+            ),
+        ),
+        pytest.param(  # the tiles on AVX512-BF16's pair products: batch invariance without AMX, or cpu_amx=false
+            "avx512_bf16",
+            marks=pytest.mark.skipif(
+                VEC_LINEAR not in kernels.native_kernels(), reason=f"{VEC_LINEAR}: no AVX512-BF16"
             ),
         ),
     ],
 )
 @pytest.mark.parametrize("rows", [1, 3, 5, 16, 100])
-def test_packed_bfloat16_linears_give_the_plain_gemms_result(tiny_q4_1, rows, amx):
-    """Each layout the packed linears take: oneDNN's gives F.linear's bits; the AMX GEMM's is within
-    a bfloat16 rounding of them. Loaded in the other layout (the other cpu_amx), converting the
+def test_packed_bfloat16_linears_give_the_plain_gemms_result(tiny_q4_1, rows, layout):
+    """Each layout the packed linears take: oneDNN's gives F.linear's bits; the tile GEMM's (on AMX or
+    on AVX512-BF16) is within a bfloat16 rounding of them. Loaded in another layout, converting the
     model to this one keeps the weights."""
+    tiles, amx = layout != "onednn", layout == "amx"
     loaded_as = {"amx": not amx} if kernels.has_amx_linears() else {}
     model = load_model(str(tiny_q4_1), "bfloat16", attention_backend="cpu", gguf_weights="both", **loaded_as).model
     quantized = model.model.layers[0].mlp.gate_up_proj
     weight = quantized.weight.dequantize()
-    pack_bf16_linears(model, amx)
+    pack_bf16_linears(model, tiles, amx)
     float_layer = torch.nn.Linear(256, 96, bias=True).bfloat16()
-    pack_bf16_linears(float_layer, amx)
-    packed = "amx_weight" if amx else "packed_weight"
+    pack_bf16_linears(float_layer, tiles, amx)
+    packed = "tile_weight" if tiles else "packed_weight"
     for layer in (quantized, model.lm_head, float_layer):
         assert getattr(layer, packed) is not None, layer
-        assert getattr(layer, "packed_weight" if amx else "amx_weight") is None, layer
+        assert getattr(layer, "packed_weight" if tiles else "tile_weight") is None, layer
     # the packed copy replaces the dense one, which only an embedding's lookups keep
     assert quantized.weight.dense is None and model.model.embed_tokens.weight.dense is not None
     x = torch.randn(rows, 256).bfloat16()
     with torch.inference_mode():
         plain = F.linear(x, float_layer.weight, float_layer.bias)
-        if amx:
+        if tiles:
             torch.testing.assert_close(CpuOps.linear(x, float_layer), plain, rtol=2**-7, atol=1e-2)
         else:
             assert torch.equal(CpuOps.linear(x, float_layer), plain)
-        if rows > CpuOps.MAX_GEMV_ROWS:  # fewer rows stream the blocks through the GEMV
+        if rows > CpuOps.MAX_GEMV_ROWS or tiles:  # without tiles, fewer rows stream the blocks through the GEMV
             got, want = CpuOps.linear(x, quantized), F.linear(x, weight)
-            if amx:
+            if tiles:
                 torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-2)
             else:
                 assert torch.equal(got, want)
@@ -181,7 +187,7 @@ def test_a_variant_auto_picks_elsewhere_can_be_forced_and_answers_alike(tiny_q4_
         assert (attention.native, attention.amx) == (llm.loaded.plan.native_kernels, llm.loaded.plan.amx)
         assert getattr(llm.loaded.plan, {"cpu_native_kernels": "native_kernels", "cpu_amx": "amx"}[setting]) == on
         if setting == "cpu_amx":  # the linears too: the tiles' layout, or oneDNN's as without AMX
-            layers = [m for m in llm.engine.worker.model.modules() if hasattr(m, "amx_weight")]
-            assert layers and all((m.amx_weight is not None) == on for m in layers)
+            layers = [m for m in llm.engine.worker.model.modules() if hasattr(m, "tile_weight")]
+            assert layers and all((m.tile_weight is not None) == on for m in layers)
         outputs[on] = [o.outputs[0] for o in llm.generate([LONG_PROMPT, LONG_PROMPT[:37]], params)]
     assert_greedy_close(outputs[False], outputs[True])

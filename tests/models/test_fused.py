@@ -187,7 +187,7 @@ def test_models_the_fused_decoder_does_not_take_say_why_and_run_op_by_op():
     cases = {
         "attention backend 'torch'": random_model(backend=TorchPagedAttention()),
         "mixture-of-experts": random_model(moe=moe, architecture="Qwen3MoeForCausalLM"),
-        "not packed for oneDNN or the AMX GEMM": random_model().to(torch.bfloat16),  # torch's F.linear
+        "not packed for oneDNN or the tile GEMM": random_model().to(torch.bfloat16),  # torch's F.linear
     }
     for reason, model in cases.items():
         decoder, why = fused.build(model)
@@ -237,7 +237,7 @@ def test_a_gguf_without_dense_copies_in_bfloat16_on_onednn_runs_op_by_op(tiny_gg
     dequantized each step, which the fused decoder does not run; it says so."""
     loaded = load_model(tiny_ggufs[Q.Q4_1], dtype="bfloat16", attention_backend="cpu", gguf_weights="packed", amx=False)
     decoder, why = fused.build(loaded.model)
-    assert decoder is None and "not packed for oneDNN or the AMX GEMM (layer 0)" in why
+    assert decoder is None and "not packed for oneDNN or the tile GEMM (layer 0)" in why
     assert not loaded.plan.fused_decoder and loaded.plan.fused_decoder_why == why
 
 
@@ -259,9 +259,9 @@ def test_served_greedy_tokens_equal_the_op_by_op_engines_in_bfloat16(tiny_ggufs)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     for amx in (True, False):
         loaded = load_model(tiny_ggufs[Q.Q4_1], dtype="bfloat16", attention_backend="cpu", gguf_weights="both", amx=amx)
-        assert loaded.plan.fused_decoder and loaded.plan.amx_linears == amx
+        assert loaded.plan.fused_decoder and loaded.plan.tile_linears == amx
         down = loaded.model.model.layers[0].mlp.down_proj
-        assert (down.amx_weight is not None, down.packed_weight is not None) == (amx, not amx)
+        assert (down.tile_weight is not None, down.packed_weight is not None) == (amx, not amx)
         outputs = {}
         for use_fused in (True, False):
             llm = LLM(loaded, num_kv_blocks=64)

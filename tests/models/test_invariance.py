@@ -53,7 +53,7 @@ def linears(dtype: torch.dtype) -> dict[str, torch.nn.Module]:
     if dtype == torch.bfloat16 and kernels.has_amx_linears():
         tiles = torch.nn.Sequential(torch.nn.Linear(96, 80, bias=True).to(dtype))
         pack_bf16_linears(tiles, amx=True)
-        assert tiles[0].amx_weight is not None
+        assert tiles[0].tile_weight is not None
         layers["amx"] = tiles[0]
     return layers
 
@@ -249,7 +249,7 @@ def test_a_sequences_logits_do_not_depend_on_batch_chunks_cache_or_async(request
         assert plan.fused_decoder and not plan.dense_copies
     if model == "wide_gguf" and kernels.has_amx_linears():  # the tiles run it here
         assert backend.on_amx_tiles
-        assert all(m.amx_weight is not None for m in whole.engine.worker.model.modules() if hasattr(m, "amx_weight"))
+        assert all(m.tile_weight is not None for m in whole.engine.worker.model.modules() if hasattr(m, "tile_weight"))
     alone = outputs(whole, [TARGET])[0]
     for n in (1, 3, 15):
         assert same(outputs(whole, [TARGET, *OTHERS[:n]])[0], alone), f"batched with {n} others"

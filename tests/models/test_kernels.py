@@ -31,12 +31,12 @@ from atom_anyio.models.ops import (
     BatchInvariantCpuOps,
     CpuOps,
     TorchOps,
-    amx_linear,
-    amx_qlinear,
     can_pack_bf16,
-    pack_amx_qweight,
-    pack_amx_weight,
-    unpack_amx_weight,
+    pack_tile_qweight,
+    pack_tile_weight,
+    tile_linear,
+    tile_qlinear,
+    unpack_tile_weight,
 )
 from atom_anyio.models.plan import resolve_dtype
 from atom_anyio.models.quant import QuantLinear
@@ -672,51 +672,62 @@ def test_a_kernel_isa_it_does_not_know_or_this_cpu_lacks_is_one_line_naming_it(k
         assert str(raised.value) == message
 
 
-AMX_LINEAR = "linear_amx_bf16"
+AMX_LINEAR, VEC_LINEAR = "linear_amx_bf16", "linear_avx512_bf16"
 needs_amx_linears = pytest.mark.skipif(
     AMX_LINEAR not in kernels.native_kernels(), reason=f"{AMX_LINEAR}: no AMX tiles on this CPU or OS"
 )
+# the tile GEMM's two variants: on the AMX tiles, and AVX512-BF16's pair products (a Zen 4, or cpu_amx=false)
+TILE_VARIANTS = [
+    pytest.param(True, marks=needs_amx_linears, id="amx"),
+    pytest.param(
+        False,
+        marks=pytest.mark.skipif(VEC_LINEAR not in kernels.native_kernels(), reason=f"{VEC_LINEAR}: no AVX512-BF16"),
+        id="avx512_bf16",
+    ),
+]
 
 
-@needs_amx_linears
+@pytest.mark.parametrize("amx", TILE_VARIANTS)
 @pytest.mark.parametrize("n,k,bias", [(80, 96, True), (576, 576, False), (49, 64, True), (40, 1536, False)])
-def test_amx_linears_equal_the_product_and_give_a_row_the_same_bits_in_any_batch(n, k, bias):
-    """The AMX GEMM (gemm.cpp) within a bfloat16 rounding of the exact product, for any row
-    count (one to four column blocks a unit, 2 x 2 blocks past 16 rows, row chunks of 64, K in
-    blocks of 8 tile steps with a short last one, a last block of rows and of columns cut short); a row's output the same bits whatever rows share its
-    call, and the packed tiles unpack to the weight."""
+def test_tile_linears_equal_the_product_and_give_a_row_the_same_bits_in_any_batch(n, k, bias, amx):
+    """The tile GEMM (gemm.cpp) within a bfloat16 rounding of the exact product, for any row
+    count, on each variant: AMX (one to four column blocks a unit, 2 x 2 blocks past 16 rows, row
+    chunks of 64, K in blocks of 8 tile steps with a short last one) and AVX512-BF16 (tiles of 1-6
+    rows by 1-4 column blocks, K in blocks of 64 pairs past 6 rows with a short last one, chunks of
+    48 rows); a last block of rows and of columns cut short. A row's output is the same bits
+    whatever rows share its call, and the packed tiles unpack to the weight."""
     torch.manual_seed(0)
     w = torch.randn(n, k).bfloat16()
     b = torch.randn(n).bfloat16() if bias else None
-    packed = pack_amx_weight(w)
-    assert packed.shape == ((n + 15) // 16, k // 32, 16, 32) and torch.equal(unpack_amx_weight(packed, n), w)
+    packed = pack_tile_weight(w)
+    assert packed.shape == ((n + 15) // 16, k // 32, 16, 32) and torch.equal(unpack_tile_weight(packed, n), w)
     x = torch.randn(600, k).bfloat16()
-    every = amx_linear(x, packed, n, b)
+    every = tile_linear(x, packed, n, b, amx)
     exact = x.double() @ w.double().t() + (b.double() if bias else 0)
     torch.testing.assert_close(every.double(), exact, rtol=2**-7, atol=1e-2)
     for begin, end in [(0, 1), (5, 6), (3, 7), (0, 16), (13, 30), (16, 48), (250, 300), (0, 257), (7, 600)]:
-        part = amx_linear(x[begin:end], packed, n, b)
+        part = tile_linear(x[begin:end], packed, n, b, amx)
         assert torch.equal(part, every[begin:end]), f"rows {begin}:{end} differ from the same rows in 600"
-    assert amx_linear(x[:0], packed, n, b).shape == (0, n)
+    assert tile_linear(x[:0], packed, n, b, amx).shape == (0, n)
 
 
-@needs_amx_linears
+@pytest.mark.parametrize("amx", TILE_VARIANTS)
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("n,k,bias", [(80, 96, True), (49, 576, False)])
-def test_amx_linears_over_gguf_blocks_give_the_dense_copys_bits(qtype, n, k, bias):
-    """The AMX GEMM over a layer's GGUF blocks, dequantized into the tiles as it goes, gives the bits
+def test_tile_linears_over_gguf_blocks_give_the_dense_copys_bits(qtype, n, k, bias, amx):
+    """The tile GEMM over a layer's GGUF blocks, dequantized into the tiles as it goes, gives the bits
     of the same GEMM over the layer's dense bfloat16 copy, at any row count (the blocks' dequantizing
-    rounds as the dense copy's does)."""
+    rounds as the dense copy's does), on each variant."""
     torch.manual_seed(0)
     blocks, _ = random_quantized(n, k, gguf.GGMLQuantizationType[qtype])
     layer = QuantLinear(blocks.to(dtype=torch.bfloat16), has_bias=bias)
     if bias:
         layer.bias = torch.nn.Parameter(torch.randn(n).bfloat16())
-    layer.amx_qweight = pack_amx_qweight(layer.weight)
-    dense = pack_amx_weight(layer.weight.dequantize(torch.bfloat16))
+    layer.tile_qweight, layer.tile_amx = pack_tile_qweight(layer.weight), amx
+    dense = pack_tile_weight(layer.weight.dequantize(torch.bfloat16))
     for rows in (1, 4, 16, 17, 300):
         x = torch.randn(rows, k).bfloat16()
-        assert torch.equal(amx_qlinear(x, layer), amx_linear(x, dense, n, layer.bias)), f"{rows} rows"
+        assert torch.equal(tile_qlinear(x, layer), tile_linear(x, dense, n, layer.bias, amx)), f"{rows} rows"
 
 
 @needs_amx_linears
@@ -725,8 +736,8 @@ def test_the_amx_linears_leave_the_tiles_as_onednn_set_them():
     torch.manual_seed(0)
     a, b = torch.randn(64, 512).bfloat16(), torch.randn(512, 256).bfloat16()
     before = a @ b
-    packed = pack_amx_weight(torch.randn(96, 64).bfloat16())
-    amx_linear(torch.randn(20, 64).bfloat16(), packed, 96, None)
+    packed = pack_tile_weight(torch.randn(96, 64).bfloat16())
+    tile_linear(torch.randn(20, 64).bfloat16(), packed, 96, None, True)
     assert torch.equal(a @ b, before)
 
 

@@ -32,7 +32,7 @@ def test_the_server_llm_and_a_rank_load_one_plan_for_one_set_of_settings(tiny_mo
     offline = LLM(str(tiny_model_dir), num_kv_blocks=8, **SETTINGS, **ENGINE).loaded.plan
     rank = load_rank(rank_spec(served, 0)).plan
     assert served == offline == rank
-    assert (served.native_kernels, served.amx, served.amx_linears) == (False, False, False)
+    assert (served.native_kernels, served.amx, served.tile_linears) == (False, False, False)
     assert (served.attention_backend, served.batch_invariant, served.batch_invariant_why) == (
         "cpu_paged",
         True,

@@ -237,7 +237,7 @@ def test_auto_keeps_blocks_and_adds_a_dense_copy_for_batched_gemms(tiny_chat_ggu
     layer = auto.model.layers[0].mlp.gate_up_proj
     assert isinstance(layer.weight, QuantizedWeight)
     assert layer.weight.dtype == (torch.bfloat16 if kernels.has_native_bf16() else torch.float32)
-    packed = [getattr(layer, name, None) for name in ("packed_weight", "amx_weight")]
+    packed = [getattr(layer, name, None) for name in ("packed_weight", "tile_weight")]
     assert layer.weight.dense is not None or any(p is not None for p in packed)
     both = load_model(tiny_chat_gguf[Q.Q4_1], dtype="bfloat16", gguf_weights="both", attention_backend="torch").model
     w = both.model.layers[0].mlp.gate_up_proj.weight

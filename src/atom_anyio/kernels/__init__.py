@@ -149,6 +149,13 @@ def native_kernels() -> list[str]:
 
 
 @functools.cache
+def has_tile_linears() -> bool:
+    """The build has the bfloat16 tile linears (gemm.cpp): AVX512-BF16's variant (``linear_avx512_bf16``),
+    which an AMX build has too."""
+    return "linear_avx512_bf16" in native_kernels()
+
+
+@functools.cache
 def has_amx_linears() -> bool:
     """The build has the AMX linears (``linear_amx_bf16``, gemm.cpp) and the OS lends the tiles."""
     return "linear_amx_bf16" in native_kernels()

@@ -45,8 +45,8 @@ def build(model: nn.Module) -> tuple[torch.ScriptObject | None, str | None]:
     if any(p.device.type != "cpu" for p in model.parameters()):
         return None, "weights off the CPU"
     bfloat16 = any(p.dtype != torch.float32 for p in model.parameters())
-    if invariant and bfloat16:  # its 16-row tiles run op by op
-        return None, "batch invariance in bfloat16 without AMX (BatchInvariantCpuOps' tiles)"
+    if invariant and bfloat16 and not all(getattr(m, "tile_weight", None) is not None for m in _linears(model)):
+        return None, "batch invariance in bfloat16 off the tile GEMM (BatchInvariantCpuOps' 16-row tiles run op by op)"
     if bfloat16 and (why := _not_packed(model)):
         return None, f"weights other than float32 on the CPU, and bfloat16 {why}"
     if kernels.load_cpu_kernels() is not None:
@@ -57,7 +57,7 @@ def build(model: nn.Module) -> tuple[torch.ScriptObject | None, str | None]:
     decoder = torch.classes.atom.Decoder(*shape, cfg.rms_norm_eps, backend.native, backend.amx)
     if bfloat16:
         decoder.use_bfloat16()
-    if invariant:
+    if invariant and not bfloat16:  # float32: the GEMVs at any row count; bfloat16 tiles are invariant as they are
         decoder.use_batch_invariant()
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
@@ -72,8 +72,8 @@ def build(model: nn.Module) -> tuple[torch.ScriptObject | None, str | None]:
             cfg.window(i) or 0,
         )
         for slot, linear in enumerate((attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)):
-            if bfloat16 and getattr(linear, "amx_weight", None) is not None:
-                decoder.set_amx_linear(slot, linear.amx_weight, linear.bias)
+            if bfloat16 and getattr(linear, "tile_weight", None) is not None:
+                decoder.set_tile_linear(slot, linear.tile_weight, linear.bias)
                 continue
             if bfloat16:
                 w = linear.weight
@@ -113,13 +113,22 @@ def _not_packed(model: nn.Module) -> str | None:
         return "mixed with other dtypes"
     for i, layer in enumerate(model.model.layers):
         for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            if getattr(linear, "amx_weight", None) is not None:
+            if getattr(linear, "tile_weight", None) is not None:
                 continue
-            if getattr(linear, "amx_qweight", None) is not None:
-                return f"on the AMX GEMM's quantized tiles (layer {i})"
+            if getattr(linear, "tile_qweight", None) is not None:
+                return f"on the tile GEMM's quantized tiles (layer {i})"
             if getattr(linear, "packed_weight", None) is None:
-                return f"not packed for oneDNN or the AMX GEMM (layer {i})"
+                return f"not packed for oneDNN or the tile GEMM (layer {i})"
     return None
+
+
+def _linears(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers' four linears each, in order."""
+    return [
+        linear
+        for layer in model.model.layers
+        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    ]
 
 
 def _embedding(w: torch.Tensor | QuantizedWeight) -> tuple[torch.Tensor | None, int | str]:

@@ -28,7 +28,7 @@ from atom_anyio.models.attention import CpuPagedAttention, prefill_path, select_
 from atom_anyio.models.decoder import LlamaForCausalLM, ModelConfig, hf_eos_ids, merge_hf_overrides, pack_weights
 from atom_anyio.models.gguf_file import load_gguf_tokenizer, read_gguf
 from atom_anyio.models.moe import stack_experts
-from atom_anyio.models.ops import CpuOps, can_pack_bf16, on_amx_tiles, pack_bf16_linears
+from atom_anyio.models.ops import CpuOps, can_pack_bf16, on_tiles, pack_bf16_linears
 from atom_anyio.models.plan import ModelPlan, default_model_path, plan_model
 from atom_anyio.models.rope import rope_inv_freq
 from atom_anyio.models.tensor_parallel import TensorParallel
@@ -125,10 +125,14 @@ def load_planned(plan: ModelPlan, rank: int = 0) -> LoadedModel:
     )
     if dense_copies:
         quant.add_dense_copies(model)
-    packed_bytes, amx_linears = 0, False
+    packed_bytes, tile_linears = 0, False
     if isinstance(backend.ops, CpuOps) and dtype == torch.bfloat16 and can_pack_bf16():
-        amx_linears = plan.native_kernels and plan.amx and kernels.has_amx_linears()
-        packed_bytes = pack_bf16_linears(model, amx_linears)
+        tile_linears = (
+            plan.native_kernels
+            and kernels.has_tile_linears()
+            and ((plan.amx and kernels.has_amx_linears()) or invariant)
+        )
+        packed_bytes = pack_bf16_linears(model, tile_linears, plan.amx)
     if plan.batch_invariant_requested is not None:
         invariant_why = "requested"
     elif invariant_why := batch_invariant_auto_reason(model):
@@ -140,7 +144,7 @@ def load_planned(plan: ModelPlan, rank: int = 0) -> LoadedModel:
         plan,
         attention_backend=backend.name,
         attention_prefill=prefill_path(backend) if isinstance(backend, CpuPagedAttention) else None,
-        amx_linears=amx_linears,
+        tile_linears=tile_linears,
         batch_invariant=bool(getattr(backend, "batch_invariant", False)),
         batch_invariant_why=invariant_why,
         dense_copies=dense_copies,
@@ -196,7 +200,7 @@ def batch_invariant_auto_reason(model: LlamaForCausalLM) -> str | None:
     if cfg.head_dim % 64 or cfg.num_attention_heads // cfg.num_key_value_heads > 16:
         return None  # the AMX attention's shapes (amx_fits in kernels/csrc/attention_amx.h)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear | quant.QuantLinear)]
-    if not linears or not all(on_amx_tiles(m) for m in linears):
+    if not linears or not all(on_tiles(m) for m in linears):
         return None
     return "bfloat16 on AMX: every linear on the AMX GEMM and the attention on the tiles, invariant at no cost"
 

@@ -78,11 +78,13 @@ class CpuOps:
     @staticmethod
     def linear(x: torch.Tensor, layer: torch.nn.Linear | quant.QuantLinear) -> torch.Tensor:
         w = layer.weight
-        if getattr(layer, "amx_qweight", None) is not None:  # any row count (docs/engine.md)
-            return amx_qlinear(x, layer)
-        amx = getattr(layer, "amx_weight", None)
-        if amx is not None:  # any row count: at one row as fast as the GEMV over Q4_1 blocks (29 against 30 ms a token)
-            return amx_linear(x, amx, w.shape[0], layer.bias)
+        if getattr(layer, "tile_qweight", None) is not None:  # any row count (docs/engine.md)
+            return tile_qlinear(x, layer)
+        tiles = getattr(layer, "tile_weight", None)
+        if (
+            tiles is not None
+        ):  # any row count: at one row as fast as the GEMV over Q4_1 blocks (29 against 30 ms a token)
+            return tile_linear(x, tiles, w.shape[0], layer.bias, layer.tile_amx)
         packed = getattr(layer, "packed_weight", None)
         if packed is not None and (x.shape[0] > CpuOps.MAX_GEMV_ROWS or not isinstance(w, QuantizedWeight)):
             return torch.ops.mkldnn._linear_pointwise(x, packed, layer.bias, "none", [], "")
@@ -102,7 +104,7 @@ class CpuOps:
         so each slice streams once while it is in cache): measured 1.2-1.6x faster
         than one GEMM for 16-64 rows, same bits."""
         w = layer.weight
-        packed = getattr(layer, "packed_weight", None) is not None or on_amx_tiles(layer)
+        packed = getattr(layer, "packed_weight", None) is not None or on_tiles(layer)
         if x.shape[0] <= CpuOps.MAX_GEMV_ROWS or layer.bias is not None or isinstance(w, QuantizedWeight) or packed:
             return CpuOps.linear(x, layer)
         out = x.new_empty(w.shape[0], x.shape[0])
@@ -155,7 +157,7 @@ class BatchInvariantCpuOps(CpuOps):
         w = layer.weight
         if x.shape[0] == 0:
             return x.new_empty(0, w.shape[0])
-        if on_amx_tiles(layer):  # CpuOps' AMX GEMM: one chain of tile products per element at any row count
+        if on_tiles(layer):  # CpuOps' tile GEMM: one chain of products per element at any row count
             return CpuOps.linear(x, layer)
         if getattr(layer, "packed_weight", None) is None:
             if isinstance(w, QuantizedWeight):  # the blocks' GEMV at any row count, a dense copy or not
@@ -200,14 +202,16 @@ def _tile_linear(x: torch.Tensor, layer: torch.nn.Linear | quant.QuantLinear) ->
 Ops = TorchOps | CpuOps
 
 
-def amx_linear(x: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x W^T (+ bias)`` on the AMX tiles (kernels/csrc/gemm.cpp) over ``pack_amx_weight(W)``."""
+def tile_linear(x: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.Tensor | None, amx: bool) -> torch.Tensor:
+    """``x W^T (+ bias)`` on the tile GEMM (kernels/csrc/gemm.cpp) over ``pack_tile_weight(W)``: on the
+    AMX tiles with ``amx`` where the build has them and the OS lends them, else on AVX512-BF16's pair
+    dot products (the two variants' bits differ; each is batch-invariant)."""
     out = x.new_empty(x.shape[0], n)
-    torch.ops.atom.amx_linear(out, x.contiguous(), weight, bias)
+    torch.ops.atom.tile_linear(out, x.contiguous(), weight, bias, amx)
     return out
 
 
-def pack_amx_weight(w: torch.Tensor) -> torch.Tensor:
+def pack_tile_weight(w: torch.Tensor) -> torch.Tensor:
     """``w [N, K]`` (bfloat16, K a multiple of 32) as the AMX GEMM's B tiles, ``[ceil(N/16), K/32,
     16, 32]``: tile (nb, kb), row r holds the dim pairs k = kb*32 + 2r, 2r+1 of columns nb*16 ..
     nb*16+15 (the last block's missing columns zero)."""
@@ -216,18 +220,18 @@ def pack_amx_weight(w: torch.Tensor) -> torch.Tensor:
     return w.reshape(-1, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).reshape(-1, k // 32, 16, 32).contiguous()
 
 
-AMX_QTYPES = (quant.Q.Q4_0, quant.Q.Q4_1, quant.Q.Q8_0)  # GGUF blocks the AMX GEMM dequantizes itself
+TILE_QTYPES = (quant.Q.Q4_0, quant.Q.Q4_1, quant.Q.Q8_0)  # GGUF blocks the AMX GEMM dequantizes itself
 
 
-def amx_qlinear(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
-    """``x W^T (+ bias)`` on the AMX tiles over the layer's quantized tiles (``pack_amx_qweight``)."""
+def tile_qlinear(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
+    """``x W^T (+ bias)`` on the tile GEMM over the layer's quantized tiles (``pack_tile_qweight``)."""
     w = layer.weight
     out = x.new_empty(x.shape[0], w.shape[0])
-    torch.ops.atom.amx_qlinear(out, x.contiguous(), layer.amx_qweight, w.qtype.value, layer.bias)
+    torch.ops.atom.tile_qlinear(out, x.contiguous(), layer.tile_qweight, w.qtype.value, layer.bias, layer.tile_amx)
     return out
 
 
-def pack_amx_qweight(w: QuantizedWeight) -> torch.Tensor:
+def pack_tile_qweight(w: QuantizedWeight) -> torch.Tensor:
     """``w``'s GGUF blocks (Q4_0, Q4_1, Q8_0) as the AMX GEMM's quantized tiles, ``[ceil(N/16), K/32,
     bytes]``: one block is one column of a tile; row r (dims 2r, 2r+1 of each of the 16 columns) as 16
     bytes of nibbles (byte c: column c's two weights, the first in the low nibble) or 32 int8 for
@@ -253,8 +257,8 @@ def pack_amx_qweight(w: QuantizedWeight) -> torch.Tensor:
     return torch.cat((pairs.reshape(nb, kb, -1), d_m.reshape(nb, kb, -1)), dim=-1).contiguous()
 
 
-def unpack_amx_weight(packed: torch.Tensor, n: int) -> torch.Tensor:
-    """``pack_amx_weight``'s input back, ``[N, K]``."""
+def unpack_tile_weight(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """``pack_tile_weight``'s input back, ``[N, K]``."""
     nb, kb = packed.shape[:2]
     return packed.reshape(nb, kb, 16, 16, 2).permute(0, 3, 1, 2, 4).reshape(nb * 16, kb * 32)[:n].contiguous()
 
@@ -265,24 +269,26 @@ def can_pack_bf16() -> bool:
     return mkldnn and kernels.has_native_bf16()
 
 
-def pack_bf16_linears(model: torch.nn.Module, amx: bool | None = None) -> int:
+def pack_bf16_linears(model: torch.nn.Module, tiles: bool | None = None, amx: bool = True) -> int:
     """Keep each bfloat16 linear weight beside it in the layout its GEMM reads, which
-    ``CpuOps.linear`` runs. With ``amx`` (by default where the kernels have the AMX linears): a
-    dense weight (of a quantized layer, its dense copy) as the AMX GEMM's bfloat16 tiles
-    (``amx_weight``), and GGUF blocks without a dense copy that the AMX GEMM dequantizes itself
-    (Q4_0, Q4_1, Q8_0) as its quantized tiles (``amx_qweight``, where the GEMV and float32 slices
-    served them before); both faster than oneDNN at decode sizes and batch-invariant (gemm.cpp).
+    ``CpuOps.linear`` runs. With ``tiles`` (by default where the kernels have the AMX linears): a
+    dense weight (of a quantized layer, its dense copy) as the tile GEMM's bfloat16 tiles
+    (``tile_weight``), and GGUF blocks without a dense copy that the tile GEMM dequantizes itself
+    (Q4_0, Q4_1, Q8_0) as its quantized tiles (``tile_qweight``, where the GEMV and float32 slices
+    served them before); batch-invariant at any row count (gemm.cpp), and on AMX faster than
+    oneDNN at decode sizes. ``amx``: the tiles run on the AMX tiles where built and lent
+    (``tile_amx`` on each layer, the plan's ``cpu_amx``), else on AVX512-BF16's pair products.
     With a dense copy the bfloat16 tiles serve: on a 2-core Xeon SmolLM2's weights stay in its
-    cache, and dequantizing costs more than the bytes it saves. Without ``amx``: oneDNN's blocked
+    cache, and dequantizing costs more than the bytes it saves. Without ``tiles``: oneDNN's blocked
     layout (``packed_weight``: a bfloat16 GEMM on a plain weight reorders the weight on every call,
     several times the GEMM itself at decode batch sizes; docs/performance.md; same bits as
     ``F.linear``). A weight whose K is not a multiple of 32 takes oneDNN's. A quantized layer's
     dense copy is then dropped (the packed one serves its GEMMs) unless an embedding looks its rows
-    up too. The loader packs once, by the plan (``ModelPlan.amx_linears``); packing again in the
+    up too. The loader packs once, by the plan (``ModelPlan.tile_linears``); packing again in the
     other layout converts the layers (the tests compare the two). Returns the bytes the packed
     copies take."""
-    if amx is None:
-        amx = kernels.has_amx_linears()
+    if tiles is None:
+        tiles = kernels.has_amx_linears()
     looked_up = {id(m.weight) for m in model.modules() if isinstance(m, quant.QuantEmbedding)}
     num_bytes = 0
     for m in model.modules():
@@ -291,19 +297,19 @@ def pack_bf16_linears(model: torch.nn.Module, amx: bool | None = None) -> int:
             continue
         quantized = isinstance(w, QuantizedWeight)
         dense = w.dense if quantized else w
-        if dense is None and getattr(m, "amx_weight", None) is not None:
-            dense = unpack_amx_weight(m.amx_weight, w.shape[0])
+        if dense is None and getattr(m, "tile_weight", None) is not None:
+            dense = unpack_tile_weight(m.tile_weight, w.shape[0])
         elif dense is None and getattr(m, "packed_weight", None) is not None:
             dense = _unpack_onednn(m.packed_weight, w.shape)
-        m.amx_qweight = None
+        m.tile_qweight, m.tile_amx = None, amx
         if dense is None:  # blocks without a dense copy: the quantized tiles, else the GEMV and dequantized slices
-            if amx and takes_quantized_tiles(w):
-                m.amx_qweight = pack_amx_qweight(w)
-                num_bytes += m.amx_qweight.nbytes
+            if tiles and takes_quantized_tiles(w):
+                m.tile_qweight = pack_tile_qweight(w)
+                num_bytes += m.tile_qweight.nbytes
             continue
-        m.amx_weight = m.packed_weight = None
-        if amx and dense.shape[1] % 32 == 0:
-            m.amx_weight = pack_amx_weight(dense.detach())
+        m.tile_weight = m.packed_weight = None
+        if tiles and dense.shape[1] % 32 == 0:
+            m.tile_weight = pack_tile_weight(dense.detach())
         else:
             m.packed_weight = torch.ops.mkldnn._reorder_linear_weight(dense.detach(), None)
         num_bytes += dense.nbytes
@@ -315,13 +321,13 @@ def pack_bf16_linears(model: torch.nn.Module, amx: bool | None = None) -> int:
 
 
 def takes_quantized_tiles(w: torch.Tensor | QuantizedWeight) -> bool:
-    """Whether the AMX GEMM runs this weight's own blocks (bfloat16 activations, no dense copy)."""
-    return isinstance(w, QuantizedWeight) and w.dense is None and w.qtype in AMX_QTYPES and w.dtype == torch.bfloat16
+    """Whether the tile GEMM runs this weight's own blocks (bfloat16 activations, no dense copy)."""
+    return isinstance(w, QuantizedWeight) and w.dense is None and w.qtype in TILE_QTYPES and w.dtype == torch.bfloat16
 
 
-def on_amx_tiles(layer: torch.nn.Module) -> bool:
-    """Whether the layer's GEMMs run on the AMX GEMM (its bfloat16 or quantized tiles)."""
-    return getattr(layer, "amx_weight", None) is not None or getattr(layer, "amx_qweight", None) is not None
+def on_tiles(layer: torch.nn.Module) -> bool:
+    """Whether the layer's GEMMs run on the tile GEMM (its bfloat16 or quantized tiles)."""
+    return getattr(layer, "tile_weight", None) is not None or getattr(layer, "tile_qweight", None) is not None
 
 
 def _unpack_onednn(packed: torch.Tensor, shape: torch.Size) -> torch.Tensor:

@@ -47,7 +47,7 @@ class ModelPlan:
     # decided by the load
     attention_backend: str | None = None  # the backend's name as it runs (auto resolved)
     attention_prefill: str | None = None  # the CPU kernel's prefill path (attention.prefill_path)
-    amx_linears: bool | None = None  # bfloat16 linears packed for the AMX GEMM (built and lent, neither switch off)
+    tile_linears: bool | None = None  # bfloat16 linears on the tile GEMM (gemm.cpp: AMX, else AVX512-BF16)
     batch_invariant: bool | None = None
     batch_invariant_why: str | None = None  # "requested", or auto's reason either way
     dense_copies: bool | None = None  # a GGUF's quantized layers keep a dense copy

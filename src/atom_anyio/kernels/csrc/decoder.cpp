@@ -17,9 +17,10 @@
 // invariant (`use_batch_invariant`), gemv / qgemv at any row count, as
 // BatchInvariantCpuOps runs them (each element one arithmetic whatever M).
 // bfloat16 (`use_bfloat16`): activations, norms, embedding and caches bfloat16,
-// each linear as CpuOps runs it op by op: on the AMX GEMM at any row count
-// (gemm.cpp, the weights packed as B tiles), or on oneDNN's packed weight (a CPU
-// without AMX, or cpu_amx off), where a GGUF layer's 1-4 rows take the GEMV over
+// each linear as CpuOps runs it op by op: on the tile GEMM at any row count
+// (gemm.cpp, the weights packed as B tiles: on AMX, or AVX512-BF16's pair
+// products without it or with cpu_amx off), or on oneDNN's packed weight,
+// where a GGUF layer's 1-4 rows take the GEMV over
 // its blocks in float32 arithmetic, rounded back (quant.cpu_linear). The attention's
 // `partition` (batch invariance) comes with each step, as the op-by-op backend
 // passes it; which kernel variants run (`native`, `amx`: the model's plan) is
@@ -68,19 +69,20 @@ struct Linear {
   int64_t N = 0, K = 0;
   int64_t slice_rows = 0;  // quantized, past MAX_GEMV_ROWS: rows dequantized per GEMM (quant.slice_rows)
   at::Tensor dense;        // quantized: its float32 copy where the model keeps one (past MAX_GEMV_ROWS, one GEMM)
-  at::Tensor amx;          // bfloat16: the weight as the AMX GEMM's B tiles (ops.pack_amx_weight), any row count
+  at::Tensor tiles;        // bfloat16: the weight as the tile GEMM's B tiles (ops.pack_tile_weight), any row count
+  bool amx = false;        // tiles: on the AMX tiles (the decoder's amx), else AVX512-BF16's pair products
   at::Tensor onednn;       // bfloat16: the weight packed by oneDNN; past MAX_GEMV_ROWS, or at any count without blocks
   at::Tensor bias_f32;     // bfloat16 over blocks: the bias widened, as the qgemv op widens it
   bool any_rows = false;   // float32, batch-invariant: gemv / qgemv at any row count (BatchInvariantCpuOps)
 
-  bool set() const { return weight.defined() || amx.defined() || onednn.defined(); }
+  bool set() const { return weight.defined() || tiles.defined() || onednn.defined(); }
 
   // x [M, K] contiguous -> x W^T (+ b) [M, N], as CpuOps.linear computes it for M rows
   at::Tensor run(const at::Tensor& x) const {
     const int64_t M = x.size(0);
-    if (amx.defined()) {
+    if (tiles.defined()) {
       at::Tensor out = at::empty({M, N}, x.options());
-      atom::amx_linear_bf16(out, x, amx, bias.defined() ? c10::optional<at::Tensor>(bias) : c10::nullopt);
+      atom::tile_linear_bf16(out, x, tiles, bias.defined() ? c10::optional<at::Tensor>(bias) : c10::nullopt, amx);
       return out;
     }
     if (onednn.defined()) {
@@ -181,7 +183,7 @@ class Decoder : public torch::CustomClassHolder {
   // slot 0 qkv, 1 o, 2 gate_up, 3 down of the last layer added; slice_rows: see Linear
   void set_linear(int64_t slot, const at::Tensor& weight, int64_t qtype, const c10::optional<at::Tensor>& bias,
                   int64_t slice_rows) {
-    TORCH_CHECK(dtype_ == at::kFloat, "Decoder: set_linear takes float32 or GGUF weights (bfloat16: set_amx_linear or set_onednn_linear)");
+    TORCH_CHECK(dtype_ == at::kFloat, "Decoder: set_linear takes float32 or GGUF weights (bfloat16: set_tile_linear or set_onednn_linear)");
     Linear& lin = slot_linear(slot, "set_linear");
     TORCH_CHECK(weight.is_contiguous() && weight.device().is_cpu() && weight.dim() == 2 && weight.size(0) == lin.N,
                 "Decoder: linear ", slot, " must be a contiguous CPU [", lin.N, ", ...] tensor");
@@ -201,21 +203,22 @@ class Decoder : public torch::CustomClassHolder {
     invariant_ = true;
   }
 
-  // bfloat16 activations, norms, embedding and caches, each linear on the AMX tiles (set_amx_linear) or
+  // bfloat16 activations, norms, embedding and caches, each linear on the tile GEMM (set_tile_linear) or
   // oneDNN's (set_onednn_linear); before any layer is added
   void use_bfloat16() {
     TORCH_CHECK(layers_.empty() && !embedding_.defined() && !norm_.defined(), "Decoder: use_bfloat16 comes first");
     dtype_ = at::kBFloat16;
   }
 
-  // slot's weight (last layer added) as the AMX GEMM's B tiles [ceil(N/16)][K/32][16][32], bias bfloat16
-  void set_amx_linear(int64_t slot, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
-    TORCH_CHECK(dtype_ == at::kBFloat16, "Decoder: AMX linears run in bfloat16 (use_bfloat16)");
-    Linear& lin = slot_linear(slot, "set_amx_linear");
+  // slot's weight (last layer added) as the tile GEMM's B tiles [ceil(N/16)][K/32][16][32], bias bfloat16
+  void set_tile_linear(int64_t slot, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+    TORCH_CHECK(dtype_ == at::kBFloat16, "Decoder: tile linears run in bfloat16 (use_bfloat16)");
+    Linear& lin = slot_linear(slot, "set_tile_linear");
     TORCH_CHECK(packed.is_contiguous() && packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 &&
                     packed.size(0) == (lin.N + 15) / 16 && packed.size(1) * 32 == lin.K,
                 "Decoder: linear ", slot, " must be packed as B tiles for [", lin.N, ", ", lin.K, "]");
-    lin.amx = packed;
+    lin.tiles = packed;
+    lin.amx = amx_;
     if (bias.has_value()) check_param(*bias, dtype_, lin.N, "bias"), lin.bias = *bias;
   }
 
@@ -432,7 +435,7 @@ void atom::register_decoder(torch::Library& m) {
       .def("set_dense", &Decoder::set_dense)
       .def("use_bfloat16", &Decoder::use_bfloat16)
       .def("use_batch_invariant", &Decoder::use_batch_invariant)
-      .def("set_amx_linear", &Decoder::set_amx_linear)
+      .def("set_tile_linear", &Decoder::set_tile_linear)
       .def("set_onednn_linear", &Decoder::set_onednn_linear)
       .def("set_embedding", &Decoder::set_embedding)
       .def("set_norm", &Decoder::set_norm)

@@ -1,18 +1,23 @@
-// Bfloat16 linears on the AMX tiles: out [M, N] = x [M, K] W^T (+ bias), for any M.
+// Bfloat16 linears over weights packed as B tiles: out [M, N] = x [M, K] W^T (+ bias), for any M,
+// on the AMX tiles where the CPU has them (and cpu_amx is on), else on AVX512-BF16's pair dot
+// products (a Zen 4 or 5), both reading the same packed weight.
 //
-// The weight is packed once (ops.py: pack_amx_weight) as B tiles, [N/16][K/32][16][32]: tile
+// The weight is packed once (ops.py: pack_tile_weight) as B tiles, [N/16][K/32][16][32]: tile
 // (nb, kb) holds columns nb*16 .. +15 as rows of dim pairs (row r: k = kb*32 + 2r, 2r+1 of each
-// of the 16 columns), 1 KB each, the tiles of one column block contiguous along K. A tile of 16
-// rows of x is the A tile, straight from x (the last block's rows copied beside zeros).
+// of the 16 columns), 1 KB each, the tiles of one column block contiguous along K. On AMX a tile
+// of 16 rows of x is the A tile, straight from x (the last block's rows copied beside zeros).
 //
 // Every output element is the same chain whatever M is and wherever its row falls: a zeroed
 // accumulator, then one tile product per kb in order (the tile unit computes each element of a
-// product from its own row and column alone), then the bias in float32 and one rounding to
-// bfloat16. So a row's result does not depend on the other rows of the call: the linears are
-// batch-invariant by construction (docs/engine.md, "Batch invariance"), where oneDNN's GEMM
-// blocks K differently by the row count. Measured on a 2-core Xeon with AMX against oneDNN's
-// packed GEMM over SmolLM2's seven linears of a layer: 2.7x faster at 1 row, 2.8x at 16, 2.0x at
-// 64, 1.4x at 256 and 555, 1.17x at 2,048.
+// product from its own row and column alone), or one pair product per pair in order (the vector
+// variant), then the bias in float32 and one rounding to bfloat16. So a row's result does not
+// depend on the other rows of the call: the linears are batch-invariant by construction
+// (docs/engine.md, "Batch invariance"), where oneDNN's GEMM blocks K differently by the row
+// count. The two variants round differently from each other (a tile product sums 32 products
+// before the accumulator; a pair product two), so a machine gives one or the other's bits by its
+// plan's cpu_amx. Measured on a 2-core Xeon with AMX against oneDNN's packed GEMM over SmolLM2's
+// seven linears of a layer: 2.7x faster at 1 row, 2.8x at 16, 2.0x at 64, 1.4x at 256 and 555,
+// 1.17x at 2,048. The vector variant: docs/engine.md.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -28,44 +33,10 @@ namespace {
 
 using namespace atom;
 
-#ifdef ATOM_AMX_BF16
+#ifdef ATOM_AVX512_BF16
 constexpr int64_t TILE_BYTES = 1024;  // a packed B tile: 16 rows of 64 bytes
-// A unit of many rows: up to the source's `unit_rows` rows by two column blocks, K in blocks of
-// K_BLOCK tile steps (a row pair's A tiles and the B tiles of a block, 32 KB, stay in L1). The
-// rows are cut in chunks of about equal size: at 256 rows a unit, 555 rows (chunks of 256, 256
-// and 43) had left one thread twice the other's work. On the 2-core Xeon,
-// bfloat16 tiles at 64 rows a unit against 256 and K whole: 1.2x a layer at 2,048 rows and
-// 1.3x at 555 (same run, same bits). Quantized tiles keep 256 rows a unit, since a unit
-// dequantizes its panel once.
-constexpr int64_t K_BLOCK = 8;
 
-// 16-row blocks of a unit past 16 rows: `max_rows` or fewer, the chunks of rows as even as they
-// can be, so that any contiguous share of the units is a fair share of the work; an even number
-// (2 x 2 blocks; `most` is even, so rounding up stays within it)
-inline int64_t unit_blocks(int64_t MB, int64_t max_rows) {
-  const int64_t most = max_rows / 16, chunks = (MB + most - 1) / most, blocks = (MB + chunks - 1) / chunks;
-  return blocks + blocks % 2;
-}
-
-// tiles 0-3, a unit's accumulators
-inline void zero_accumulators() {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-}
-
-// the accumulator's valid rows and columns, plus the bias, rounded to bfloat16 into out (row stride ldo)
-inline void store_tile(c10::BFloat16* out, int64_t ldo, const float* c, int64_t rows, int64_t cols, const float* bias) {
-  const __mmask16 live = __mmask16((1u << cols) - 1);
-  const __m512 b = bias ? _mm512_maskz_loadu_ps(live, bias) : _mm512_setzero_ps();
-  for (int64_t r = 0; r < rows; ++r) {
-    const __m512 v = _mm512_add_ps(_mm512_load_ps(c + r * 16), b);
-    _mm256_mask_storeu_epi16(out + r * ldo, live, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
-  }
-}
-
-// Quantized weights (pack_amx_qweight in ops.py), dequantized into the B tiles a unit needs: one
+// Quantized weights (pack_tile_qweight in ops.py), dequantized into the B tiles a unit needs: one
 // GGUF block of 32 weights is one column of a tile, so a tile is 16 blocks, stored in the tile's own
 // order: row r (k = kb*32 + 2r, 2r+1) as 16 bytes of nibbles for Q4_0/Q4_1 (byte c: column c's two
 // weights, low nibble first) or 32 int8 for Q8_0, then the 16 columns' d and (Q4_1) m as float16.
@@ -112,6 +83,168 @@ inline void dequantize_tile(int64_t type, const uint8_t* src, c10::BFloat16* dst
       w0 = _mm512_mul_ps(d0, q0), w1 = _mm512_mul_ps(d1, q1);
     }
     _mm512_storeu_si512(dst + r * 32, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(w1, w0)));
+  }
+}
+
+// the bfloat16 tiles as packed: nothing to do but point at them
+struct PackedTiles {
+  static constexpr int64_t unit_rows = 64;
+  const char* w;
+  int64_t KB, step_stride;
+  const char* panel(int64_t nb0, int64_t) const { return w + nb0 * KB * TILE_BYTES; }
+  const char* step(int64_t nb0, int64_t, int64_t kb, int) const { return w + (nb0 * KB + kb) * TILE_BYTES; }
+};
+
+// quantized tiles, dequantized into this thread's buffers
+struct QuantTiles {
+  static constexpr int64_t unit_rows = 256;  // a unit dequantizes its panel: more rows to share it
+  const uint8_t* w;
+  int64_t KB, type, bytes, step_stride = TILE_BYTES;
+  const uint8_t* tile(int64_t nb, int64_t kb) const { return w + (nb * KB + kb) * bytes; }
+  const char* panel(int64_t nb0, int64_t nbs) const {
+    thread_local std::vector<c10::BFloat16> buf;
+    buf.resize(nbs * KB * 512);
+    for (int64_t j = 0; j < nbs; ++j)
+      for (int64_t kb = 0; kb < KB; ++kb) dequantize_tile(type, tile(nb0 + j, kb), &buf[(j * KB + kb) * 512]);
+    return reinterpret_cast<const char*>(buf.data());
+  }
+  const char* step(int64_t nb0, int64_t nbs, int64_t kb, int slot) const {
+    thread_local std::vector<c10::BFloat16> slots(2 * 4 * 512);
+    c10::BFloat16* dst = &slots[slot * 4 * 512];
+    for (int64_t j = 0; j < nbs; ++j) dequantize_tile(type, tile(nb0 + j, kb), dst + j * 512);
+    return reinterpret_cast<const char*>(dst);
+  }
+};
+
+// The same products on AVX512-BF16's pair dot products (vdpbf16ps), where the CPU has no AMX (a
+// Zen 4 or 5) or cpu_amx is off. Row r of tile (nb, kb) is one register: pair k = kb*32 + 2r, 2r+1
+// of the block's 16 columns; x's pair broadcast against it adds both products to each column's
+// accumulator. Every output element is one chain whatever M is: a zeroed accumulator, then the K/2
+// pairs in order, one vdpbf16ps each, then the bias in float32 and one rounding to bfloat16. A
+// tile of up to VEC_MR rows by VEC_NR column blocks keeps its accumulators in registers; which tile
+// an element falls in changes nothing of its chain, so any blocking gives the same bits.
+constexpr int VEC_MR = 6, VEC_NR = 4;
+// past VEC_MR rows, K in blocks of VEC_PAIRS pairs, every tile of a chunk of VEC_CHUNK rows taking a
+// block while the panel's rows of it (VEC_NR x 4 KB) stay in L1; between blocks a tile's
+// accumulators wait in float32 (stored and loaded back exactly: the chain is unchanged)
+constexpr int64_t VEC_PAIRS = 64, VEC_CHUNK = 48;
+
+// rows 0 .. MR - 1 of X by column blocks n0 / 16 .. + NR - 1, pairs p0 .. p1 - 1 of the panel's tiles
+// ([NR][KB][1 KB]); from zero at p0 == 0, else from `park`; into `park` unless p1 ends K, then the
+// bias and one rounding into O
+template <int MR, int NR>
+void vec_tile(c10::BFloat16* O, int64_t N, const c10::BFloat16* X, int64_t K, const char* panel, int64_t KB,
+              int64_t n0, const float* bias, int64_t p0, int64_t p1, float* park) {
+  __m512 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = p0 == 0 ? _mm512_setzero_ps() : _mm512_load_ps(park + (i * NR + j) * 16);
+  const int64_t stride = KB * TILE_BYTES;
+  for (int64_t p = p0; p < p1; ++p) {
+    __m512bh w[NR];
+    for (int j = 0; j < NR; ++j)
+      w[j] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(panel + j * stride + p * 64));
+    for (int i = 0; i < MR; ++i) {
+      int32_t pair;
+      std::memcpy(&pair, X + i * K + 2 * p, sizeof pair);
+      const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], a, w[j]);
+    }
+  }
+  if (p1 < K / 2) {
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) _mm512_store_ps(park + (i * NR + j) * 16, acc[i][j]);
+    return;
+  }
+  for (int j = 0; j < NR; ++j) {
+    const int64_t n = n0 + j * 16, cols = std::min<int64_t>(16, N - n);
+    const __mmask16 live = __mmask16((1u << cols) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(live, bias + n) : _mm512_setzero_ps();
+    for (int i = 0; i < MR; ++i) {
+      const __m256bh v = _mm512_cvtneps_pbh(_mm512_add_ps(acc[i][j], b));
+      _mm256_mask_storeu_epi16(O + i * N + n, live, reinterpret_cast<__m256i>(v));
+    }
+  }
+}
+
+using VecTile = void (*)(c10::BFloat16*, int64_t, const c10::BFloat16*, int64_t, const char*, int64_t, int64_t,
+                         const float*, int64_t, int64_t, float*);
+template <int MR>
+constexpr VecTile vec_tiles_of(int nr) {
+  return nr == 1 ? vec_tile<MR, 1> : nr == 2 ? vec_tile<MR, 2> : nr == 3 ? vec_tile<MR, 3> : vec_tile<MR, 4>;
+}
+inline VecTile vec_tile_for(int mr, int nr) {
+  switch (mr) {
+    case 1: return vec_tiles_of<1>(nr);
+    case 2: return vec_tiles_of<2>(nr);
+    case 3: return vec_tiles_of<3>(nr);
+    case 4: return vec_tiles_of<4>(nr);
+    case 5: return vec_tiles_of<5>(nr);
+    default: return vec_tiles_of<6>(nr);
+  }
+}
+
+// each thread a contiguous share of the column blocks; per VEC_NR blocks, its panel against every
+// row of x in tiles of VEC_MR rows (past one tile, K blocked as above)
+template <typename Source>
+void vec_gemm(at::Tensor& out, const at::Tensor& x, int64_t NB, int64_t KB, const float* bias, Source& source) {
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1), pairs = K / 2;
+  const auto* X = x.data_ptr<c10::BFloat16>();
+  auto* O = out.data_ptr<c10::BFloat16>();
+  const int64_t block = M <= VEC_MR ? pairs : VEC_PAIRS;
+  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+    alignas(64) float park[VEC_CHUNK / VEC_MR][VEC_MR * VEC_NR * 16];
+    for (int64_t nb = b0; nb < b1; nb += VEC_NR) {
+      const int64_t nbs = std::min<int64_t>(VEC_NR, b1 - nb);
+      const char* panel = source.panel(nb, nbs);
+      for (int64_t m0 = 0; m0 < M; m0 += VEC_CHUNK) {
+        const int64_t m1 = std::min(M, m0 + VEC_CHUNK);
+        for (int64_t p0 = 0; p0 < pairs; p0 += block) {
+          const int64_t p1 = std::min(pairs, p0 + block);
+          for (int64_t m = m0; m < m1; m += VEC_MR) {
+            const int64_t rows = std::min<int64_t>(VEC_MR, m1 - m);
+            vec_tile_for(int(rows), int(nbs))(O + m * N, N, X + m * K, K, panel, KB, nb * 16, bias, p0, p1,
+                                              park[(m - m0) / VEC_MR]);
+          }
+        }
+      }
+    }
+  });
+}
+#endif
+
+#ifdef ATOM_AMX_BF16
+// A unit of many rows: up to the source's `unit_rows` rows by two column blocks, K in blocks of
+// K_BLOCK tile steps (a row pair's A tiles and the B tiles of a block, 32 KB, stay in L1). The
+// rows are cut in chunks of about equal size: at 256 rows a unit, 555 rows (chunks of 256, 256
+// and 43) had left one thread twice the other's work. On the 2-core Xeon,
+// bfloat16 tiles at 64 rows a unit against 256 and K whole: 1.2x a layer at 2,048 rows and
+// 1.3x at 555 (same run, same bits). Quantized tiles keep 256 rows a unit, since a unit
+// dequantizes its panel once.
+constexpr int64_t K_BLOCK = 8;
+
+// 16-row blocks of a unit past 16 rows: `max_rows` or fewer, the chunks of rows as even as they
+// can be, so that any contiguous share of the units is a fair share of the work; an even number
+// (2 x 2 blocks; `most` is even, so rounding up stays within it)
+inline int64_t unit_blocks(int64_t MB, int64_t max_rows) {
+  const int64_t most = max_rows / 16, chunks = (MB + most - 1) / most, blocks = (MB + chunks - 1) / chunks;
+  return blocks + blocks % 2;
+}
+
+// tiles 0-3, a unit's accumulators
+inline void zero_accumulators() {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
+
+// the accumulator's valid rows and columns, plus the bias, rounded to bfloat16 into out (row stride ldo)
+inline void store_tile(c10::BFloat16* out, int64_t ldo, const float* c, int64_t rows, int64_t cols, const float* bias) {
+  const __mmask16 live = __mmask16((1u << cols) - 1);
+  const __m512 b = bias ? _mm512_maskz_loadu_ps(live, bias) : _mm512_setzero_ps();
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 v = _mm512_add_ps(_mm512_load_ps(c + r * 16), b);
+    _mm256_mask_storeu_epi16(out + r * ldo, live, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
   }
 }
 
@@ -236,53 +369,12 @@ void amx_gemm(at::Tensor& out, const at::Tensor& x, int64_t NB, int64_t KB, cons
     }
   });
 }
-
-// the bfloat16 tiles as packed: nothing to do but point at them
-struct PackedTiles {
-  static constexpr int64_t unit_rows = 64;
-  const char* w;
-  int64_t KB, step_stride;
-  const char* panel(int64_t nb0, int64_t) const { return w + nb0 * KB * TILE_BYTES; }
-  const char* step(int64_t nb0, int64_t, int64_t kb, int) const { return w + (nb0 * KB + kb) * TILE_BYTES; }
-};
-
-// quantized tiles, dequantized into this thread's buffers
-struct QuantTiles {
-  static constexpr int64_t unit_rows = 256;  // a unit dequantizes its panel: more rows to share it
-  const uint8_t* w;
-  int64_t KB, type, bytes, step_stride = TILE_BYTES;
-  const uint8_t* tile(int64_t nb, int64_t kb) const { return w + (nb * KB + kb) * bytes; }
-  const char* panel(int64_t nb0, int64_t nbs) const {
-    thread_local std::vector<c10::BFloat16> buf;
-    buf.resize(nbs * KB * 512);
-    for (int64_t j = 0; j < nbs; ++j)
-      for (int64_t kb = 0; kb < KB; ++kb) dequantize_tile(type, tile(nb0 + j, kb), &buf[(j * KB + kb) * 512]);
-    return reinterpret_cast<const char*>(buf.data());
-  }
-  const char* step(int64_t nb0, int64_t nbs, int64_t kb, int slot) const {
-    thread_local std::vector<c10::BFloat16> slots(2 * 4 * 512);
-    c10::BFloat16* dst = &slots[slot * 4 * 512];
-    for (int64_t j = 0; j < nbs; ++j) dequantize_tile(type, tile(nb0 + j, kb), dst + j * 512);
-    return reinterpret_cast<const char*>(dst);
-  }
-};
-
-void amx_linear_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& wp, const float* bias) {
-  PackedTiles source{reinterpret_cast<const char*>(wp.data_ptr()), wp.size(1), wp.size(1) * TILE_BYTES};
-  amx_gemm(out, x, wp.size(0), wp.size(1), bias, source);
-}
-
-void amx_qlinear_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& wq, int64_t type, const float* bias) {
-  QuantTiles source{wq.data_ptr<uint8_t>(), wq.size(1), type, qtile_bytes(type)};
-  amx_gemm(out, x, wq.size(0), wq.size(1), bias, source);
-}
 #endif
 
-#ifdef ATOM_AMX_BF16
-// the checks every AMX linear makes; the bias as float32 (undefined without one)
+#ifdef ATOM_AVX512_BF16
+// the checks every tile linear makes; the bias as float32 (undefined without one)
 at::Tensor check_linear(const char* name, const at::Tensor& out, const at::Tensor& x, int64_t NB, int64_t KB,
                         const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(amx_permitted(), name, ": this process may not use the AMX tiles");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, name, ": x must be [M, K] bf16");
   TORCH_CHECK(KB * 32 == x.size(1), name, ": the weight must be packed for K = ", x.size(1));
   TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.scalar_type() == at::kBFloat16 &&
@@ -292,44 +384,68 @@ at::Tensor check_linear(const char* name, const at::Tensor& out, const at::Tenso
   TORCH_CHECK(bias->numel() == out.size(1), name, ": bias must have N elements");
   return bias->to(at::kFloat).contiguous();
 }
+
+// whether a call runs on the AMX tiles: asked for (the plan's cpu_amx), built and lent
+bool on_amx(bool amx) {
+#ifdef ATOM_AMX_BF16
+  return amx && amx_permitted();
+#else
+  return false;
+#endif
+}
+
+template <typename Source>
+void tile_gemm(at::Tensor& out, const at::Tensor& x, int64_t NB, int64_t KB, const float* bias, Source& source,
+               bool amx) {
+#ifdef ATOM_AMX_BF16
+  if (on_amx(amx)) return amx_gemm(out, x, NB, KB, bias, source);
+#endif
+  vec_gemm(out, x, NB, KB, bias, source);
+}
 #endif
 
 }  // namespace
 
 namespace atom::op {
 
-// out [M, N] bfloat16 = x [M, K] W^T (+ bias), W packed as B tiles [ceil(N/16)][K/32][16][32]
-void amx_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& wp, const c10::optional<at::Tensor>& bias) {
-#ifdef ATOM_AMX_BF16
+// out [M, N] bfloat16 = x [M, K] W^T (+ bias), W packed as B tiles [ceil(N/16)][K/32][16][32]; on the AMX
+// tiles where `amx` and the build has them and the OS lends them, else on AVX512-BF16's pair products
+void tile_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& wp, const c10::optional<at::Tensor>& bias,
+                 bool amx) {
+#ifdef ATOM_AVX512_BF16
   TORCH_CHECK(wp.dim() == 4 && wp.is_contiguous() && wp.scalar_type() == at::kBFloat16 && wp.size(2) == 16 &&
                   wp.size(3) == 32,
-              "amx_linear: the weight must be packed as B tiles");
-  const at::Tensor b = check_linear("amx_linear", out, x, wp.size(0), wp.size(1), bias);
-  if (x.size(0) > 0) amx_linear_impl(out, x, wp, b.defined() ? b.data_ptr<float>() : nullptr);
+              "tile_linear: the weight must be packed as B tiles");
+  const at::Tensor b = check_linear("tile_linear", out, x, wp.size(0), wp.size(1), bias);
+  if (x.size(0) == 0) return;
+  PackedTiles source{reinterpret_cast<const char*>(wp.data_ptr()), wp.size(1), wp.size(1) * TILE_BYTES};
+  tile_gemm(out, x, wp.size(0), wp.size(1), b.defined() ? b.data_ptr<float>() : nullptr, source, amx);
 #else
-  TORCH_CHECK(false, "amx_linear: this build has no AMX kernels (the CPU lacks AMX-BF16)");
+  TORCH_CHECK(false, "tile_linear: this build has no bfloat16 tile kernels (the CPU lacks AVX512-BF16)");
 #endif
 }
 
 // the same with W as GGUF blocks of type `qtype` (Q4_0, Q4_1, Q8_0) packed as tiles [ceil(N/16)][K/32][bytes]
-void amx_qlinear(at::Tensor& out, const at::Tensor& x, const at::Tensor& wq, int64_t qtype,
-                 const c10::optional<at::Tensor>& bias) {
-#ifdef ATOM_AMX_BF16
-  TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0, "amx_qlinear: type ", qtype, " has no AMX tiles");
+void tile_qlinear(at::Tensor& out, const at::Tensor& x, const at::Tensor& wq, int64_t qtype,
+                  const c10::optional<at::Tensor>& bias, bool amx) {
+#ifdef ATOM_AVX512_BF16
+  TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0, "tile_qlinear: type ", qtype, " has no tiles");
   TORCH_CHECK(wq.dim() == 3 && wq.is_contiguous() && wq.scalar_type() == at::kByte && wq.size(2) == qtile_bytes(qtype),
-              "amx_qlinear: the weight must be packed as tiles of type ", qtype);
-  const at::Tensor b = check_linear("amx_qlinear", out, x, wq.size(0), wq.size(1), bias);
-  if (x.size(0) > 0) amx_qlinear_impl(out, x, wq, qtype, b.defined() ? b.data_ptr<float>() : nullptr);
+              "tile_qlinear: the weight must be packed as tiles of type ", qtype);
+  const at::Tensor b = check_linear("tile_qlinear", out, x, wq.size(0), wq.size(1), bias);
+  if (x.size(0) == 0) return;
+  QuantTiles source{wq.data_ptr<uint8_t>(), wq.size(1), qtype, qtile_bytes(qtype)};
+  tile_gemm(out, x, wq.size(0), wq.size(1), b.defined() ? b.data_ptr<float>() : nullptr, source, amx);
 #else
-  TORCH_CHECK(false, "amx_qlinear: this build has no AMX kernels (the CPU lacks AMX-BF16)");
+  TORCH_CHECK(false, "tile_qlinear: this build has no bfloat16 tile kernels (the CPU lacks AVX512-BF16)");
 #endif
 }
 
 }  // namespace atom::op
 
 namespace atom {
-void amx_linear_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
-                     const c10::optional<at::Tensor>& bias) {
-  op::amx_linear(out, x, packed, bias);
+void tile_linear_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
+                      const c10::optional<at::Tensor>& bias, bool amx) {
+  op::tile_linear(out, x, packed, bias, amx);
 }
 }  // namespace atom

@@ -19,7 +19,8 @@ namespace atom {
 
 // Which variants run comes with each call, from the model's plan (models/plan.py): `native`, the native
 // variants where built (false: their portable twins, cpu_native_kernels), and `amx`, bfloat16 attention on
-// the AMX tiles where built and lent (false: the AVX512-BF16 variant, as without AMX; cpu_amx).
+// the AMX tiles where built and lent (false: the AVX512-BF16 variant, as without AMX; cpu_amx), for the attention
+// and the bfloat16 tile linears alike.
 
 // decoder.cpp: the Decoder class and its methods, into the library; why the layer loop cannot run a
 // model of this shape, or ""
@@ -51,9 +52,10 @@ void qgemv_f32(float* out, const float* x, int64_t M, int64_t K, const uint8_t* 
                const float* bias);
 void dequantize_f32(float* out, const uint8_t* w, int64_t rows, int64_t K, int64_t type);  // rows of W, as the op
 
-// gemm.cpp: the atom::amx_linear op (bfloat16 x [M, K], W packed as B tiles by ops.pack_amx_weight)
-void amx_linear_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
-                     const c10::optional<at::Tensor>& bias);
+// gemm.cpp: the atom::tile_linear op (bfloat16 x [M, K], W packed as B tiles by ops.pack_tile_weight; amx: on
+// the AMX tiles where built and lent, else AVX512-BF16's pair products)
+void tile_linear_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
+                      const c10::optional<at::Tensor>& bias, bool amx);
 
 }  // namespace atom
 
@@ -80,8 +82,9 @@ void qgemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64_t ty
 void dequantize(at::Tensor& out, const at::Tensor& w, int64_t type);
 
 // gemm.cpp
-void amx_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& wp, const c10::optional<at::Tensor>& bias);
-void amx_qlinear(at::Tensor& out, const at::Tensor& x, const at::Tensor& wq, int64_t qtype,
-                 const c10::optional<at::Tensor>& bias);
+void tile_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& wp, const c10::optional<at::Tensor>& bias,
+                 bool amx);
+void tile_qlinear(at::Tensor& out, const at::Tensor& x, const at::Tensor& wq, int64_t qtype,
+                  const c10::optional<at::Tensor>& bias, bool amx);
 
 }  // namespace atom::op

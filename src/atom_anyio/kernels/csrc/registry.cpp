@@ -20,6 +20,7 @@ std::vector<std::string> native_kernels() {
   std::vector<std::string> names;
 #ifdef ATOM_AVX512_BF16
   names.push_back("paged_attention_avx512_bf16");
+  names.push_back("linear_avx512_bf16");  // gemm.cpp's vector variant of the tile linears
 #endif
 #ifdef ATOM_AMX_BF16
   if (atom::amx_permitted()) {
@@ -54,8 +55,8 @@ TORCH_LIBRARY(atom, m) {
   m.def("qgemv(Tensor(a!) out, Tensor x, Tensor weight, int qtype, Tensor? bias) -> ()");
   m.def("dequantize(Tensor(a!) out, Tensor weight, int qtype) -> ()");
   // gemm.cpp
-  m.def("amx_linear(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");
-  m.def("amx_qlinear(Tensor(a!) out, Tensor x, Tensor weight, int qtype, Tensor? bias) -> ()");
+  m.def("tile_linear(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias, bool amx) -> ()");
+  m.def("tile_qlinear(Tensor(a!) out, Tensor x, Tensor weight, int qtype, Tensor? bias, bool amx) -> ()");
   // decoder.cpp
   m.def("decoder_unsupported_shape(int hidden, int heads, int kv_heads, int head_dim, int intermediate) -> str",
         &atom::decoder_unsupported_shape);
@@ -72,6 +73,6 @@ TORCH_LIBRARY_IMPL(atom, CPU, m) {
   m.impl("store_kv", &atom::op::store_kv);
   m.impl("qgemv", &atom::op::qgemv);
   m.impl("dequantize", &atom::op::dequantize);
-  m.impl("amx_linear", &atom::op::amx_linear);
-  m.impl("amx_qlinear", &atom::op::amx_qlinear);
+  m.impl("tile_linear", &atom::op::tile_linear);
+  m.impl("tile_qlinear", &atom::op::tile_qlinear);
 }
