@@ -111,14 +111,13 @@ def _not_packed(model: nn.Module) -> str | None:
     """Why a bfloat16 model's decoder layers are not all packed for a GEMM the decoder runs, or None."""
     if any(p.dtype != torch.bfloat16 for p in model.parameters()):
         return "mixed with other dtypes"
-    for i, layer in enumerate(model.model.layers):
-        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            if getattr(linear, "tile_weight", None) is not None:
-                continue
-            if getattr(linear, "tile_qweight", None) is not None:
-                return f"on the tile GEMM's quantized tiles (layer {i})"
-            if getattr(linear, "packed_weight", None) is None:
-                return f"not packed for oneDNN or the tile GEMM (layer {i})"
+    for n, linear in enumerate(_linears(model)):
+        if getattr(linear, "tile_weight", None) is not None:
+            continue
+        if getattr(linear, "tile_qweight", None) is not None:
+            return f"on the tile GEMM's quantized tiles (layer {n // 4})"
+        if getattr(linear, "packed_weight", None) is None:
+            return f"not packed for oneDNN or the tile GEMM (layer {n // 4})"
     return None
 
 

@@ -86,6 +86,17 @@ inline void dequantize_tile(int64_t type, const uint8_t* src, c10::BFloat16* dst
   }
 }
 
+// one output row's 16 columns of a block (`live` of them): the float32 accumulator plus the bias, one rounding
+// to bfloat16; both variants end every element here
+inline void store_row(c10::BFloat16* out, __m512 acc, __m512 bias, __mmask16 live) {
+  _mm256_mask_storeu_epi16(out, live, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_add_ps(acc, bias))));
+}
+
+// the bias of `live` columns from `bias` (nullptr: none)
+inline __m512 bias_lanes(const float* bias, __mmask16 live) {
+  return bias ? _mm512_maskz_loadu_ps(live, bias) : _mm512_setzero_ps();
+}
+
 // the bfloat16 tiles as packed: nothing to do but point at them
 struct PackedTiles {
   static constexpr int64_t unit_rows = 64;
@@ -158,11 +169,8 @@ void vec_tile(c10::BFloat16* O, int64_t N, const c10::BFloat16* X, int64_t K, co
   for (int j = 0; j < NR; ++j) {
     const int64_t n = n0 + j * 16, cols = std::min<int64_t>(16, N - n);
     const __mmask16 live = __mmask16((1u << cols) - 1);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(live, bias + n) : _mm512_setzero_ps();
-    for (int i = 0; i < MR; ++i) {
-      const __m256bh v = _mm512_cvtneps_pbh(_mm512_add_ps(acc[i][j], b));
-      _mm256_mask_storeu_epi16(O + i * N + n, live, reinterpret_cast<__m256i>(v));
-    }
+    const __m512 b = bias_lanes(bias ? bias + n : nullptr, live);
+    for (int i = 0; i < MR; ++i) store_row(O + i * N + n, acc[i][j], b, live);
   }
 }
 
@@ -241,11 +249,8 @@ inline void zero_accumulators() {
 // the accumulator's valid rows and columns, plus the bias, rounded to bfloat16 into out (row stride ldo)
 inline void store_tile(c10::BFloat16* out, int64_t ldo, const float* c, int64_t rows, int64_t cols, const float* bias) {
   const __mmask16 live = __mmask16((1u << cols) - 1);
-  const __m512 b = bias ? _mm512_maskz_loadu_ps(live, bias) : _mm512_setzero_ps();
-  for (int64_t r = 0; r < rows; ++r) {
-    const __m512 v = _mm512_add_ps(_mm512_load_ps(c + r * 16), b);
-    _mm256_mask_storeu_epi16(out + r * ldo, live, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
-  }
+  const __m512 b = bias_lanes(bias, live);
+  for (int64_t r = 0; r < rows; ++r) store_row(out + r * ldo, _mm512_load_ps(c + r * 16), b, live);
 }
 
 // Where a unit's B tiles come from: `source.panel(nb0, nbs)`, the tiles of column blocks nb0 .. nb0
@@ -385,20 +390,12 @@ at::Tensor check_linear(const char* name, const at::Tensor& out, const at::Tenso
   return bias->to(at::kFloat).contiguous();
 }
 
-// whether a call runs on the AMX tiles: asked for (the plan's cpu_amx), built and lent
-bool on_amx(bool amx) {
-#ifdef ATOM_AMX_BF16
-  return amx && amx_permitted();
-#else
-  return false;
-#endif
-}
-
+// on the AMX tiles where asked for (the plan's cpu_amx), built and lent, else the vector variant
 template <typename Source>
 void tile_gemm(at::Tensor& out, const at::Tensor& x, int64_t NB, int64_t KB, const float* bias, Source& source,
                bool amx) {
 #ifdef ATOM_AMX_BF16
-  if (on_amx(amx)) return amx_gemm(out, x, NB, KB, bias, source);
+  if (amx && amx_permitted()) return amx_gemm(out, x, NB, KB, bias, source);
 #endif
   vec_gemm(out, x, NB, KB, bias, source);
 }
