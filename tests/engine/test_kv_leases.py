@@ -21,9 +21,10 @@ class Clock:
         return self.now
 
 
-def turn(tokens: list[int], lease: KVLease = KVLease()) -> Sequence:
+def turn(tokens: list[int], lease: KVLease = KVLease(), priority: int = 0) -> Sequence:
     request = EngineRequest(list(tokens), block_hash_chain(tokens, BLOCK_SIZE), SamplingParams(max_tokens=1), 1)
-    return Sequence(EngineRequest(**{**request.__dict__, "lease": lease}), stream=None, detokenizer=None)
+    fields = {**request.__dict__, "lease": lease, "priority": priority}
+    return Sequence(EngineRequest(**fields), stream=None, detokenizer=None)
 
 
 def run(bm: BlockManager, seq: Sequence) -> int:
@@ -109,3 +110,30 @@ def test_requests_without_a_key_lease_their_own_blocks_and_leases_off_is_the_pla
     run(bm, turn(history(0, 2)))
     run(bm, turn(history(1, 2)))
     assert len(bm.leases) == 2 and bm.num_leased_blocks == 4
+
+
+def test_under_priority_the_least_important_lease_goes_first_whatever_its_expiry():
+    """vLLM's ``priority`` (lower first) orders which lease the pool takes when its LRU is empty, as
+    it orders preemption: the least important conversation's, even if a more important one expires sooner."""
+    clock = Clock()
+    bm = BlockManager(12, BLOCK_SIZE, lease_ttl_s=10, lease_fraction=1.0, clock=clock)
+    run(bm, turn(history(0, 4), KVLease(key="important", ttl_s=5), priority=-1))
+    run(bm, turn(history(1, 4), KVLease(key="background"), priority=3))
+    run(bm, turn(history(2, 2), KVLease(key="default")))
+    assert set(bm.leases) == {"important", "background", "default"} and len(bm.free) == 2  # the partial blocks
+    newcomer = turn(history(3, 8))
+    bm.grow(newcomer, 3 * BLOCK_SIZE)  # the LRU's 2 blocks, then a lease's: "background" goes whole
+    assert set(bm.leases) == {"important", "default"} and len(bm.free) == 3
+    bm.grow(newcomer, 7 * BLOCK_SIZE)  # 4 more: the LRU's 3, then "default" (0), not "important" that expires first
+    assert set(bm.leases) == {"important"}
+    assert len(bm.match_prefix(turn(history(0, 4)))) == 4
+
+
+def test_released_leases_leave_no_heap_entries_behind():
+    """A conversation's leases replaced turn after turn with no pressure on the pool: the heaps hold
+    a bounded number of entries, not one per turn served."""
+    bm = BlockManager(64, BLOCK_SIZE, lease_ttl_s=3600, lease_fraction=1.0)
+    for _ in range(500):
+        run(bm, turn(history(0, 2), KVLease(key="agent")))
+    assert len(bm.leases) == 1
+    assert len(bm._leases._expiries) <= 66 and len(bm._leases._evictions) <= 66

@@ -5,13 +5,13 @@
     used    ref > 0                   allocate / cache hit: free or leased -> used, ref += 1
     cached  ref == 0, hash set        free(seq): ref -= 1; at 0 -> cached (or empty), or leased
     leased  cached, held by a lease   when its sequence finished (free_seq(seq, lease=True))
-    empty   ref == 0, no hash         take: the LRU head, else the earliest-expiring lease's blocks
+    empty   ref == 0, no hash         take: the LRU head, else a lease's blocks (kv_leases.py's order)
 
 * ``free`` is an LRU of every unleased ref-0 block (cached and empty), oldest first;
   a new block is taken from its head, evicting that block's hash.
 * A finished sequence's cached blocks outlast it under a lease (an agent's history while it runs a
-  tool; kv_leases.py): leased blocks count as free, and when the LRU is empty the lease that
-  expires first goes whole to its head.
+  tool; kv_leases.py): leased blocks count as free, and when the LRU is empty a lease (the least
+  important priority's, then the one that expires first) goes whole to its head.
 * A block's hash is set only once all of its tokens' KV has been computed,
   so a hit never reads KV that is still being written.
 * A hit is verified against the block's stored tokens: a hash collision can
@@ -290,10 +290,10 @@ class BlockManager:
         seq.num_committed_blocks = 0
 
     def _take(self) -> int:
-        """A block for a sequence: the LRU's oldest, else one of the lease that expires first."""
+        """A block for a sequence: the LRU's oldest, else one of the lease that goes next (kv_leases.py)."""
         self._leases.expire()
         while not self.free:
-            self._leases.release_earliest()
+            self._leases.release_next()
         block_id, _ = self.free.popitem(last=False)
         return block_id
 

@@ -2,8 +2,10 @@
 runs a tool), keyed to the conversation (``KVLease.key``; none given: the sequence alone), for a
 TTL (``kv_lease_ttl_s``, or the request's), at most ``kv_lease_fraction`` of the pool.
 
-Leases are soft: leased blocks count as free, and when the block manager's LRU is empty the lease
-that expires first goes whole to its head. An expired lease goes there too; a conversation's next
+Leases are soft: leased blocks count as free, and when the block manager's LRU is empty one lease
+goes whole to its head: of the least important ``priority`` (vLLM's, the highest value; all equal
+under the fcfs policy), the one that expires first, as the scheduler preempts the least important
+running sequence first. An expired lease goes there too; a conversation's next
 lease replaces its last; a full share refuses new leases (their blocks join the LRU), so a cyclic
 working set larger than the pool keeps part of it whole instead of losing all of it to the LRU.
 """
@@ -20,11 +22,12 @@ from atom_anyio.engine.sequence import Sequence
 class Lease:
     """A finished conversation's cached blocks, kept until ``expiry``; ``block_ids`` in eviction order."""
 
-    __slots__ = ("key", "expiry", "block_ids")
+    __slots__ = ("key", "expiry", "priority", "block_ids")
 
-    def __init__(self, key: str, expiry: float):
+    def __init__(self, key: str, expiry: float, priority: int = 0):
         self.key = key
         self.expiry = expiry
+        self.priority = priority  # its request's (vLLM's: lower is more important)
         self.block_ids: dict[int, None] = {}
 
 
@@ -39,7 +42,9 @@ class Leases:
         self.release_blocks = release
         self.by_key: dict[str, Lease] = {}
         self.lease_of: dict[int, Lease] = {}  # leased block id -> its lease
-        self._expiries: list[tuple[float, int, Lease]] = []  # a heap; entries of replaced leases are skipped
+        # heaps; entries of released leases are skipped, and dropped when they outnumber the live ones
+        self._expiries: list[tuple[float, int, Lease]] = []  # by expiry
+        self._evictions: list[tuple[int, float, int, Lease]] = []  # least important first, then by expiry
         self._order = itertools.count()
 
     def __len__(self) -> int:
@@ -75,13 +80,13 @@ class Leases:
             if self.by_key.get(lease.key) is lease:
                 self._release(lease)
 
-    def release_earliest(self) -> None:
-        """The lease that expires first, released (the LRU is empty)."""
+    def release_next(self) -> None:
+        """The LRU is empty: the lease of the least important priority that expires first, released."""
         while True:
-            lease = self._expiries[0][2]
+            lease = self._evictions[0][-1]
             if self.by_key.get(lease.key) is lease:
                 return self._release(lease)
-            heapq.heappop(self._expiries)
+            heapq.heappop(self._evictions)
 
     def _new(self, seq: Sequence) -> Lease | None:
         self.expire()
@@ -91,9 +96,19 @@ class Leases:
             self._release(old)
         if ttl <= 0 or len(self.lease_of) >= self.max_blocks:
             return None
-        lease = self.by_key[key] = Lease(key, self.clock() + ttl)
-        heapq.heappush(self._expiries, (lease.expiry, next(self._order), lease))
+        lease = self.by_key[key] = Lease(key, self.clock() + ttl, seq.priority)
+        order = next(self._order)
+        heapq.heappush(self._expiries, (lease.expiry, order, lease))
+        heapq.heappush(self._evictions, (-lease.priority, lease.expiry, order, lease))
+        if len(self._evictions) > 2 * len(self.by_key) + 64:  # released leases' entries: bounded
+            self._expiries, self._evictions = self._live(self._expiries), self._live(self._evictions)
         return lease
+
+    def _live(self, heap: list[tuple]) -> list[tuple]:
+        """``heap`` without the entries of released leases."""
+        live = [entry for entry in heap if self.by_key.get(entry[-1].key) is entry[-1]]
+        heapq.heapify(live)
+        return live
 
     def _release(self, lease: Lease) -> None:
         del self.by_key[lease.key]
