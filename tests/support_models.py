@@ -39,11 +39,12 @@ WORDS = [
 ]
 
 
-def write_tiny_llama(path, seed: int = 0, **config: object):
-    """A 2-layer random Llama (seeded) in HF format with ``TINY_TOKENIZER``; ``config`` overrides."""
-    tokenizer = transformers.AutoTokenizer.from_pretrained(TINY_TOKENIZER)
+def write_tiny_llama(path, seed: int = 0, tokenizer: Any = None, **config: object):
+    """A 2-layer random Llama (seeded) in HF format with ``tokenizer`` (a transformers tokenizer,
+    its chat template included; default ``TINY_TOKENIZER``); ``config`` overrides."""
+    tokenizer = tokenizer or transformers.AutoTokenizer.from_pretrained(TINY_TOKENIZER)
     defaults = {
-        "vocab_size": TINY_VOCAB_SIZE,
+        "vocab_size": len(tokenizer),
         "hidden_size": 64,
         "intermediate_size": 128,
         "num_hidden_layers": 2,

@@ -33,7 +33,7 @@ ALLOWED: dict[str, set[str]] = {
         "version",
     },
     "llm": {"config", "engine", "models", "obs", "prompt", "sampling_params"},
-    "config": {"prompt", "engine", "kernels", "models", "parse", "settings"},
+    "config": {"prompt", "engine", "generation_defaults", "kernels", "models", "parse", "settings"},
     "prompt": {"engine", "parse", "sampling_params"},
     "obs": {"engine"},  # metrics read the engine's stats record (engine.stats)
     "engine": {"models", "kernels", "sampling_params", "settings"},

@@ -17,6 +17,7 @@ import structlog
 
 from atom_anyio import kernels
 from atom_anyio.engine.engine_config import EngineConfig
+from atom_anyio.generation_defaults import from_override
 from atom_anyio.models.attention import BACKENDS
 from atom_anyio.models.plan import DTYPES, GGUF_WEIGHTS
 from atom_anyio.parse import ParserSpec
@@ -43,6 +44,12 @@ class Config:
         "JSON object merged into the model's config (vLLM's --hf-overrides), e.g. a YaRN rope_scaling and "
         "max_position_embeddings for a longer context; a GGUF takes the same keys, or its metadata keys "
         "(llama.context_length)",
+    )
+    override_generation_config: dict[str, Any] = setting(
+        {},
+        "JSON object over the model's sampling defaults (vLLM's --override-generation-config), by their "
+        "generation_config.json keys: temperature, top_p, top_k, min_p, repetition_penalty, and max_new_tokens, "
+        'the max_tokens of a request that sets none, e.g. {"max_new_tokens": 1024}',
     )
     device: str = setting("cpu", "cpu, cuda, cuda:N")
     attention_backend: str = setting("auto", f"one of {', '.join(BACKENDS)} (docs/engine.md)")
@@ -99,6 +106,10 @@ class Config:
         _one_of("log_format", self.log_format, LOG_FORMATS)
         if min(self.max_waiting_seqs, self.max_waiting_tokens, self.prepare_threads) < 1:
             raise ConfigError("max_waiting_seqs, max_waiting_tokens and prepare_threads must be at least 1")
+        try:
+            from_override(self.override_generation_config)
+        except ValueError as exc:
+            raise ConfigError(f"override_generation_config: {exc}") from None
         if self.device == "cpu":
             kernels.kernel_isa()  # ATOM_KERNEL_ISA, read where the kernels are built: a bad one fails here
         if self.model is not None and not os.path.exists(self.model):

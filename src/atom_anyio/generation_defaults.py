@@ -41,15 +41,28 @@ def from_generation_config(model_dir: str | Path) -> dict[str, Any]:
     path = Path(model_dir) / "generation_config.json"
     if not path.is_file():
         return {}
-    return _pick(json.loads(path.read_text()), HF_KEYS, path.name)
+    return _pick(json.loads(path.read_text()), HF_KEYS, f"the model's sampling defaults in its {path.name}")
 
 
 def from_gguf_metadata(metadata: Mapping[str, Any]) -> dict[str, Any]:
     """The defaults in a GGUF's ``general.sampling.*`` metadata ({} without them)."""
-    return _pick(metadata, GGUF_KEYS, "GGUF metadata")
+    return _pick(metadata, GGUF_KEYS, "the model's sampling defaults in its GGUF metadata")
 
 
-def _pick(source: Mapping[str, Any], keys: Mapping[str, str], where: str) -> dict[str, Any]:
+def from_override(override: Mapping[str, Any]) -> dict[str, Any]:
+    """vLLM's ``--override-generation-config``: ``generation_config.json`` keys (``HF_KEYS``) whose
+    values replace the model's defaults; a ValueError names an unknown key or an unusable value."""
+    if unknown := override.keys() - HF_KEYS.keys():
+        raise ValueError(f"unknown key(s) {', '.join(sorted(unknown))}; the keys are {', '.join(HF_KEYS)}")
+    return _pick(override, HF_KEYS, "its values")
+
+
+def overridden(defaults: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    """The model's sampling ``defaults`` with ``override`` (``from_override``'s keys) over them."""
+    return {**defaults, **from_override(override)}
+
+
+def _pick(source: Mapping[str, Any], keys: Mapping[str, str], what: str) -> dict[str, Any]:
     """The named keys, checked once here as ``SamplingParams`` checks a request's values."""
     defaults = {name: source[key] for key, name in keys.items() if source.get(key) is not None}
     for name in ("top_k", "max_tokens"):
@@ -60,7 +73,7 @@ def _pick(source: Mapping[str, Any], keys: Mapping[str, str], where: str) -> dic
             raise ValueError(f"every value must be a number, got {defaults}")
         SamplingParams(**defaults)
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"the model's sampling defaults in its {where} are not usable: {exc}") from None
+        raise ValueError(f"{what} are not usable: {exc}") from None
     return defaults
 
 

@@ -1,13 +1,17 @@
 """The real agent CLIs against the server (issue 40): Claude Code, Codex CLI, opencode and aider each
-answer a prompt in a new session, then continue that session. The model is SmolLM2 stretched to a
-32k context (YaRN through ``hf_overrides``) for Claude Code and Codex, whose own prompts are 12.4k
-and 9.3k tokens, and SmolLM2 as it is (8k, the defaults) for opencode (7.7k) and aider.
+answer a prompt in a new session, then continue that session.
 
-SmolLM2-135M never ends its reply to Claude Code's prompt (greedy, it lists numbers or echoes the
-system prompt past 64, 256 and 512 tokens), and Claude Code treats a reply cut at ``max_tokens``
-three times in a row as an error. So Claude Code's server runs in this process with the sampler's
-choice scripted (the reply, then EOS; ``support_fakes.scripted``): the rendering, tokenizing, the prefill
-of its 12.4k tokens on SmolLM2's weights, the prefix cache, the API and real hypercorn stay real.
+Claude Code and Codex run against a server in this process whose sampler's choice is scripted (the
+reply, then EOS; ``support_fakes.scripted``). SmolLM2-135M never ends its reply to Claude Code's
+prompt (greedy, it lists numbers or echoes the system prompt past 64, 256 and 512 tokens), and Claude
+Code treats a reply cut at ``max_tokens`` three times in a row as an error. Codex's prompt holds its
+working directory, so SmolLM2's greedy reply changes with the test's temporary path, and now and then
+never ends; Codex sends no ``max_output_tokens`` and exits 1 on an incomplete response. With the
+replies scripted the weights do not matter, so that server's model is a tiny random Llama with
+SmolLM2's tokenizer and chat template over a 32k context (their own prompts are 12.4k and 9.3k
+tokens): the rendering, the tokenizing, the prefill, the prefix cache, the API and real hypercorn
+stay real. opencode (7.7k tokens) and aider get SmolLM2's own replies from a ``hypercorn
+atom_anyio:app`` process at the defaults.
 
 Each turn exits 0 with the model's reply on stdout; every request the CLI sent is answered 2xx
 (the server's ``request.finished`` lines); the continued session's prompt comes from the prefix
@@ -20,65 +24,54 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import anyio
 import httpx
 import pytest
-from agent_clis import AgentCli, agent_cli, install
+from agent_clis import MAX_OUTPUT_TOKENS, AgentCli, agent_cli, install
 from structlog.testing import capture_logs
 from support_fakes import scripted
+from support_models import write_tiny_llama
 from support_servers import Served, clean_env, free_port, running, served_over_http, serving_app
 
-from atom_anyio.models.loader import load_model
+from atom_anyio.models.loader import LoadedModel, load_model
 
 pytestmark = pytest.mark.slow
 
 TURN_TIMEOUT_S = 300  # a 12k-token prompt is 15 s of prefill on two idle cores, minutes on busy ones
 IDLE_TIMEOUT_S = 30
 CACHED_FRACTION = 0.8
-# SmolLM2 (8k) with YaRN over a 32k context
-YARN_32K = {
-    "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192},
-    "max_position_embeddings": 32768,
-}
-CONTEXTS = {"32k": {"max_model_len": "32768", "hf_overrides": json.dumps(YARN_32K)}, "8k": {}}
-# (CLI, context): Codex's prompt needs the 32k; opencode's (7.7k tokens) and aider's fit the default 8k
-RUNS = [("codex", "32k"), ("opencode", "8k"), ("aider", "8k")]
-CLAUDE_CODE_REPLY = "Hello! How can I help you today?"
+# the CLIs whose replies are scripted, and the tokens of their own prompts (SmolLM2's tokenizer)
+SCRIPTED = {"claude-code": 12_000, "codex": 9_000}
+SCRIPTED_REPLY = "Hello! How can I help you today?"
+# the CLIs served SmolLM2's own replies, at the defaults
+SERVED = ["opencode", "aider"]
 # aider puts the restored history before its fixed "no files shared" exchange, so the second turn
 # shares only the system prompt and the examples with the first (of 0.8k tokens)
 SHARED_PREFIX_FRACTION = {"aider": 0.5}
 
 
-@contextmanager
-def server_process(context: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, smollm2_path: str) -> Iterator[Served]:
+    """``hypercorn atom_anyio:app`` serving the default model (``smollm2_path``: skipped without it).
+    A request that sets no limit gets the CLIs' (``override_generation_config``)."""
     port = free_port()
-    env = clean_env(log_format="json", kv_cache_gib="1", **CONTEXTS[context])
+    cap = json.dumps({"max_new_tokens": MAX_OUTPUT_TOKENS})
+    env = clean_env(log_format="json", kv_cache_gib="1", override_generation_config=cap)
     cmd = [sys.executable, "-m", "hypercorn", "atom_anyio:app", "--bind", f"127.0.0.1:{port}"]
-    with running(cmd, env, port, tmp_path_factory.mktemp(f"agents-{context}") / "server.log") as served:
+    with running(cmd, env, port, tmp_path_factory.mktemp("agents") / "server.log") as served:
         yield served
 
 
 @pytest.fixture(scope="module")
-def serve(tmp_path_factory: pytest.TempPathFactory, smollm2_path: str) -> Iterator[Callable[[str], Served]]:
-    """The server of the default model (``smollm2_path``: skipped without it) for a context, one process
-    at a time: started on first use, stopped when a test asks for the other context, or at the module's
-    end (``RUNS`` keeps each context's runs together)."""
-    with ExitStack() as stack:
-        current: dict[str, Served] = {}
-
-        def serve(context: str) -> Served:
-            if context not in current:
-                stack.close()
-                current.clear()
-                current[context] = stack.enter_context(server_process(context, tmp_path_factory))
-            return current[context]
-
-        yield serve
+def smollm2_prompts_32k(smollm2: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    """A 2-layer random Llama with SmolLM2's tokenizer and chat template over a 32k context: the
+    scripted CLIs' replies do not come from the weights, their prompts are rendered and tokenized
+    as SmolLM2's, and a 12k-token prefill takes a second instead of SmolLM2's fifteen."""
+    return load_model(str(write_tiny_llama(tmp_path_factory.mktemp("smollm2-prompts"), tokenizer=smollm2.tokenizer)))
 
 
 def finished_lines(log: str) -> list[dict[str, Any]]:
@@ -131,12 +124,11 @@ def checked_turn(
     return generations
 
 
-@pytest.mark.parametrize("name,context", [pytest.param(n, c, id=f"{n}-{c}") for n, c in RUNS])
+@pytest.mark.parametrize("name", SERVED)
 def test_agent_cli_answers_then_continues_its_session_from_the_prefix_cache(
-    name: str, context: str, serve: Callable[[str], Served], tmp_path: Path
+    name: str, server: Served, tmp_path: Path
 ) -> None:
     binary = install(name)
-    server = serve(context)
     (model_card,) = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"]
     cli = agent_cli(name, binary, tmp_path, server.url, model_card["id"], model_card["max_model_len"])
     take_turn(cli, cli.first, server)
@@ -153,15 +145,16 @@ def anyio_backend() -> str:
 
 
 @pytest.mark.anyio
-@pytest.mark.usefixtures("smollm2_path")  # the default model, loaded below
-async def test_claude_code_answers_then_continues_its_session_from_the_prefix_cache(tmp_path: Path) -> None:
-    binary = install("claude-code")
-    loaded = await anyio.to_thread.run_sync(lambda: load_model(None, "auto", hf_overrides=YARN_32K))
+@pytest.mark.parametrize("name", SCRIPTED)
+async def test_scripted_agent_cli_answers_then_continues_its_session_from_the_prefix_cache(
+    name: str, smollm2_prompts_32k: LoadedModel, tmp_path: Path
+) -> None:
+    binary = install(name)
     async with (
-        serving_app(loaded, max_model_len=32768, kv_cache_gib=1) as atom,
+        serving_app(smollm2_prompts_32k, max_model_len=32768, kv_cache_gib=1) as atom,
         served_over_http(atom) as url,
     ):
-        cli = agent_cli("claude-code", binary, tmp_path, url, atom.runtime.model_name, 32768)
+        cli = agent_cli(name, binary, tmp_path, url, atom.runtime.model_name, 32768)
 
         async def turn(argv: list[str]) -> list[dict[str, Any]]:
             with capture_logs() as logs, anyio.fail_after(TURN_TIMEOUT_S):
@@ -171,9 +164,9 @@ async def test_claude_code_answers_then_continues_its_session_from_the_prefix_ca
             text = subprocess.CompletedProcess(argv, done.returncode, done.stdout.decode(), done.stderr.decode())
             return checked_turn(cli, argv, text, lines)
 
-        with scripted(atom, CLAUDE_CODE_REPLY):
+        with scripted(atom, SCRIPTED_REPLY):
             await turn(cli.first)
             generations = await turn(cli.second)
     main = max(generations, key=lambda line: line["prompt_tokens"])
-    assert main["prompt_tokens"] > 12_000  # Claude Code's own prompt, on the stretched context
+    assert main["prompt_tokens"] > SCRIPTED[name]  # the CLI's own prompt, on the stretched context
     assert main["cached_tokens"] >= CACHED_FRACTION * main["prompt_tokens"], main

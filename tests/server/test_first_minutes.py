@@ -19,9 +19,11 @@ import pytest
 from support_servers import clean_env, serving_app
 
 from atom_anyio import LLM
+from atom_anyio.config import Config
 from atom_anyio.generation_defaults import from_generation_config, from_gguf_metadata
 from atom_anyio.models.loader import LoadedModel, load_model
 from atom_anyio.sampling_params import SamplingParams
+from atom_anyio.settings import ConfigError
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC).timestamp()
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -210,6 +212,39 @@ async def test_a_request_s_own_sampling_values_win_over_the_model_s(opinionated_
                                                         "temperature": 0.1, "top_k": 3})  # fmt: skip
         assert r.status_code == 200
         assert sampling_of(seen[0]) == {**MODEL_DEFAULTS, "temperature": 0.1, "top_k": 3}
+
+
+@pytest.mark.anyio
+async def test_override_generation_config_goes_over_the_model_s_defaults_and_under_a_request_s(opinionated_model):
+    """vLLM's --override-generation-config: its keys replace the model's (``max_new_tokens`` the default
+    max_tokens too, as an agent CLI that sends none needs), the model's other defaults stay, and a
+    request's own values still win."""
+    override = {"temperature": 0.2, "max_new_tokens": 3}
+    settings = {"kv_cache_gib": 0.05, "max_model_len": 1024, "served_model_name": "m"}
+    async with serving_app(opinionated_model, override_generation_config=override, **settings) as atom:
+        client = atom.quart.test_client()
+        body = {"messages": [{"role": "user", "content": "Hi"}], "ignore_eos": True}
+        with sampling_seen(atom.runtime.engine) as seen:
+            chat = await (await client.post("/v1/chat/completions", json=body)).get_json()
+            resp = await (await client.post("/v1/responses", json={"input": "Hi"})).get_json()
+            own = await (
+                await client.post("/v1/chat/completions", json={**body, "temperature": 0.9, "max_tokens": 4})
+            ).get_json()
+    assert chat["usage"]["completion_tokens"] == 3 and resp["usage"]["output_tokens"] <= 3
+    assert sampling_of(seen[0]) == {**MODEL_DEFAULTS, "temperature": 0.2} and resp["temperature"] == 0.2
+    assert own["usage"]["completion_tokens"] == 4 and seen[-1].temperature == 0.9
+
+
+@pytest.mark.parametrize(
+    "value,named",
+    [
+        ('{"max_new_token": 3}', "unknown key(s) max_new_token"),
+        ('{"temperature": -1}', "its values are not usable: invalid temperature: -1"),
+    ],
+)
+def test_a_bad_override_generation_config_is_one_line_naming_it(value, named):
+    with pytest.raises(ConfigError, match=re.escape(f"override_generation_config: {named}")):
+        Config.from_env({"ATOM_OVERRIDE_GENERATION_CONFIG": value})
 
 
 def test_offline_generate_without_sampling_params_uses_the_model_s_defaults(opinionated_model):

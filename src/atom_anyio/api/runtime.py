@@ -9,6 +9,7 @@ within ``drain_timeout_s``) and cancels the loop.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 from collections.abc import AsyncIterator, Callable
@@ -32,6 +33,7 @@ from atom_anyio.engine.grammar import Grammars
 from atom_anyio.engine.request import EngineRequest
 from atom_anyio.engine.sampler import Sampler
 from atom_anyio.engine.stream import RequestStream
+from atom_anyio.generation_defaults import overridden
 from atom_anyio.models.loader import LoadedModel, load_planned
 from atom_anyio.models.plan import ModelPlan, plan_model
 from atom_anyio.obs.loop_health import GCTimer, freeze_heap, limit_malloc_arenas, monitor_loop_lag, thaw_heap
@@ -241,10 +243,12 @@ async def serving(
         log.info("malloc.arenas_limited", malloc_arena_max=config.malloc_arena_max)
     if loaded is None:
         with _phase("model.loaded", model=config.model or "default") as extra:
-            loaded = await anyio.to_thread.run_sync(_load, config)
+            loaded = _with_overrides(config, await anyio.to_thread.run_sync(_load, config))
             extra.update(name=loaded.name, dtype=loaded.model.dtype_name, device=config.device)
             extra.update(attention_backend=loaded.model.attention_backend.name)
             extra.update(generation_defaults=loaded.generation_defaults)  # what a request leaves out gets
+    else:
+        loaded = _with_overrides(config, loaded)
     with _phase("engine.built"):
         engine = Engine(loaded, config.engine, sampler)  # on the loop: its worker's limiter belongs to it
     with _phase("grammars.ready"):
@@ -321,6 +325,15 @@ def _load(config: Config) -> LoadedModel:
         return load_planned(model_plan(config))
     except (ValueError, FileNotFoundError) as exc:
         raise ConfigError(f"model {config.model or '(default)'}: {exc}") from None
+
+
+def _with_overrides(config: Config, loaded: LoadedModel) -> LoadedModel:
+    """The model with the server's ``override_generation_config`` over its sampling defaults."""
+    if not config.override_generation_config:
+        return loaded
+    return dataclasses.replace(
+        loaded, generation_defaults=overridden(loaded.generation_defaults, config.override_generation_config)
+    )
 
 
 def model_plan(config: Config) -> ModelPlan:
