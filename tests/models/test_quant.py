@@ -16,6 +16,7 @@ from support_models import CPU_COMBINATIONS, assert_greedy_close
 
 from atom_anyio import LLM, SamplingParams, kernels
 from atom_anyio.models import quant
+from atom_anyio.models.gguf_file import GGUFReader
 from atom_anyio.models.loader import load_model
 from atom_anyio.models.ops import BatchInvariantCpuOps, CpuOps, TorchOps
 from atom_anyio.models.quant import BLOCK_BYTES, QuantizedWeight, QuantLinear
@@ -303,3 +304,23 @@ def test_smollm2_q4_1_served_quantized_answers_and_fits_its_file(smollm2_path):
 
 
 GREEDY_STOP = SamplingParams(temperature=0, max_tokens=16)
+
+
+def test_the_gguf_reader_reads_what_the_gguf_package_reads(smollm2_path):
+    """``gguf_file.GGUFReader`` (plain views of the map) gives ``gguf.GGUFReader``'s fields and tensors."""
+    ours, theirs = GGUFReader(smollm2_path), gguf.GGUFReader(smollm2_path)
+    assert ours.fields.keys() == theirs.fields.keys() and len(theirs.fields["tokenizer.ggml.tokens"].data) == 49152
+    for name, field in theirs.fields.items():
+        mine = ours.fields[name]
+        assert (mine.offset, mine.data, mine.types) == (field.offset, field.data, field.types), name
+        assert len(mine.parts) == len(field.parts), name
+        assert all(a.dtype == b.dtype and np.array_equal(a, b) for a, b in zip(mine.parts, field.parts, strict=True)), (
+            name
+        )
+    assert [(t.name, t.tensor_type, t.shape.tolist(), t.data_offset) for t in ours.tensors] == [
+        (t.name, t.tensor_type, t.shape.tolist(), t.data_offset) for t in theirs.tensors
+    ]
+    assert all(
+        a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data)
+        for a, b in zip(ours.tensors, theirs.tensors, strict=True)
+    )
