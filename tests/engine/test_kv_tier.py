@@ -148,6 +148,8 @@ async def test_a_history_restored_from_the_tier_gives_the_same_greedy_tokens(tin
     (first, _), _, (again, cached) = await greedy(tiered, [history, other, history])
     stats = tiered.stats().tier
     assert stats.num_saved_blocks > 0 and stats.num_hit_tokens > 0
+    copies = sum(stats.copy_seconds.counts)  # the steps that copied, timed (atom_kv_tier_copy_seconds)
+    assert 0 < copies < sum(tiered.stats().step_seconds.counts) and stats.copy_seconds.sum > 0
     assert cached == 23 * 16  # every full block of the prompt but the last: the pool's hits, then the tier's
     fresh = Engine(tiny_model, EngineConfig(**small, enable_prefix_caching=False))
     ((computed, _),) = await greedy(fresh, [history])

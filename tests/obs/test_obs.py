@@ -27,6 +27,7 @@ from atom_anyio.api.app import AtomApp
 from atom_anyio.cli import main as cli_main
 from atom_anyio.cli import serve
 from atom_anyio.config import Config
+from atom_anyio.engine.stats import Buckets
 from atom_anyio.obs.logging import configure_logging
 from atom_anyio.obs.logs_cli import summarize
 
@@ -42,6 +43,7 @@ HISTOGRAMS = {
     "atom_request_generation_tokens": set(),
     "atom_event_loop_lag_seconds": set(),
     "atom_gc_pause_seconds": {"generation"},
+    "atom_engine_step_seconds": set(),
 }
 COUNTERS = {
     "atom_requests_total": {"endpoint", "outcome"},
@@ -133,6 +135,17 @@ async def test_metrics_have_the_documented_names_types_and_label_sets(atom):
     assert value(text, "atom_request_generation_tokens_bucket", le="1.0") == 0
     assert value(text, "atom_request_generation_tokens_bucket", le="8.0") == 3
     assert value(text, "atom_requests_running") == 0
+    # one step at least per token of the one-at-a-time requests, each timed
+    assert value(text, "atom_engine_step_seconds_count") >= 4 and value(text, "atom_engine_step_seconds_sum") > 0
+
+
+def test_step_buckets_count_as_prometheus_le_buckets_at_a_fixed_size():
+    steps = Buckets((0.01, 0.1))
+    for seconds in (0.01, 0.05, 0.1, 0.2, 3.0):
+        steps.observe(seconds)
+    snapshot = steps.snapshot()
+    assert snapshot.cumulative() == [("0.01", 1), ("0.1", 3), ("+Inf", 5)] and snapshot.sum == pytest.approx(3.36)
+    assert len(steps.counts) == 3
 
 
 VLLM_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0]

@@ -37,7 +37,7 @@ from atom_anyio.engine.sampler import Sampler
 from atom_anyio.engine.scheduler import ScheduledBatch, Scheduler
 from atom_anyio.engine.sequence import Sequence, num_alive
 from atom_anyio.engine.speculative import speculator_for
-from atom_anyio.engine.stats import EngineStats, SpecStats, TierStats
+from atom_anyio.engine.stats import Buckets, EngineStats, SpecStats, TierStats
 from atom_anyio.engine.step import StepInput, StepOutput, build_step
 from atom_anyio.engine.stream import RequestStream
 from atom_anyio.engine.tp_workers import TensorParallelWorker
@@ -119,6 +119,7 @@ class Engine:
         self.error: str | None = None  # why the engine stopped serving, when it did
         self.step_timings: dict[str, float] = {"schedule": 0.0, "forward": 0.0, "sample": 0.0, "postprocess": 0.0}
         self.num_steps = 0
+        self.step_seconds, self.tier_copy_seconds = Buckets(), Buckets()  # for /metrics: fixed sizes
         log.info(
             "engine.kv_pool",
             num_tokens=num_blocks * cfg.block_size,
@@ -194,7 +195,9 @@ class Engine:
                 tier.num_restored_blocks,
                 bm.num_tier_queried_tokens,
                 bm.num_tier_hit_tokens,
+                self.tier_copy_seconds.snapshot(),
             ),
+            step_seconds=self.step_seconds.snapshot(),
             spec=None
             if spec is None
             else SpecStats(
@@ -323,8 +326,11 @@ class Engine:
     def _account(self, schedule_s: float, result: StepOutput, post_s: float, batch: ScheduledBatch) -> None:
         t = self.step_timings
         t["schedule"] += schedule_s
-        t["forward"] += result.timings.get("forward", 0.0)
-        t["sample"] += result.timings.get("sample", 0.0)
+        t["forward"] += (forward := result.timings.get("forward", 0.0))
+        t["sample"] += (sample := result.timings.get("sample", 0.0))
+        self.step_seconds.observe(forward + sample)
+        if "kv_copy" in result.timings:
+            self.tier_copy_seconds.observe(result.timings["kv_copy"])
         t["postprocess"] += post_s
         self.num_steps += 1
         if batch.num_preempted:

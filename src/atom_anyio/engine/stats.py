@@ -3,7 +3,45 @@ metrics read instead of reaching into the scheduler, the block manager and the s
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
+
+# a step's seconds: one decode row of a tiny model (a millisecond) to a long prefill chunk
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+@dataclass(frozen=True)
+class HistogramCounts:
+    """A fixed-bucket histogram as the metrics export it: ``counts[i]`` of the observations at most
+    ``bounds[i]`` and above the bound before, the last past every bound; ``sum`` of them all."""
+
+    bounds: tuple[float, ...]
+    counts: tuple[int, ...]
+    sum: float
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """Prometheus' ``le`` buckets: (bound, count at most it), +Inf last."""
+        out, total = [], 0
+        for bound, count in zip((*map(str, self.bounds), "+Inf"), self.counts, strict=True):
+            total += count
+            out.append((bound, total))
+        return out
+
+
+class Buckets:
+    """Observations counted into ``STEP_BUCKETS``: a fixed size whatever the steps served."""
+
+    def __init__(self, bounds: tuple[float, ...] = STEP_BUCKETS):
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def snapshot(self) -> HistogramCounts:
+        return HistogramCounts(self.bounds, tuple(self.counts), self.sum)
 
 
 @dataclass(frozen=True)
@@ -26,6 +64,7 @@ class TierStats:
     num_restored_blocks: int
     num_queried_tokens: int  # prompt tokens looked up there (past the pool's hits)
     num_hit_tokens: int  # prompt tokens restored from there
+    copy_seconds: HistogramCounts  # per step that copied blocks: the copies' time, which the step waited for
 
 
 @dataclass(frozen=True)
@@ -45,3 +84,4 @@ class EngineStats:
     num_kv_events_dropped: int | None  # None: no KV events configured
     spec: SpecStats | None  # None: no speculation configured
     tier: TierStats | None = None  # None: no second KV tier
+    step_seconds: HistogramCounts | None = None  # the worker's time per step (the tier's copies, forward, sample)

@@ -117,8 +117,10 @@ class Worker:
         elif torch.get_num_threads() != self.num_threads:  # OpenMP settings are per thread too
             torch.set_num_threads(self.num_threads)
         t0 = time.perf_counter()
+        copy_s = None
         if step.kv_saves or step.kv_loads:
             self.tier.transfer(self.kv_pool, step.kv_saves, step.kv_loads)
+            copy_s = time.perf_counter() - t0
         graphs = self.graphs
         one_row_each = not (step.prompt_rows or step.draft_token_ids)
         every_row_samples = len(step.sample_rows) == len(step.query_lens) and one_row_each
@@ -141,7 +143,9 @@ class Worker:
         # change (a grammar's, a reasoning budget's) never runs ahead, so none is read changed
         self.sampled = out.ids if out.ids is not None else torch.tensor(out.token_ids, device=self.device)
         t2 = time.perf_counter()
-        timings = {"forward": t1 - t0, "sample": t2 - t1}
+        timings = {"forward": t1 - t0, "sample": t2 - t1}  # forward: the tier's copies included
+        if copy_s is not None:
+            timings["kv_copy"] = copy_s
         return StepOutput(out.token_ids, out.logprobs, num_accepted, timings=timings, prompt_logprobs=prompt_logprobs)
 
     def forward(self, step: StepInput) -> tuple[torch.Tensor, list[list[Logprob]]]:

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -93,6 +93,19 @@ class EngineCollector(Collector):
             )
             yield CounterMetricFamily(
                 "atom_prefix_cache_tier_hit_tokens", "Prompt tokens restored from the second tier", t.num_hit_tokens
+            )
+            yield HistogramMetricFamily(
+                "atom_kv_tier_copy_seconds",
+                "Per step that copied blocks to or from the second tier: the copies' time (the step waits for them)",
+                buckets=t.copy_seconds.cumulative(),
+                sum_value=t.copy_seconds.sum,
+            )
+        if (steps := s.step_seconds) is not None:
+            yield HistogramMetricFamily(
+                "atom_engine_step_seconds",
+                "The worker's time per step: the tier's copies, the forward and the sampling",
+                buckets=steps.cumulative(),
+                sum_value=steps.sum,
             )
         if s.num_kv_events_dropped is not None:
             yield CounterMetricFamily(
