@@ -173,7 +173,7 @@ def tiny_ggufs(tmp_path_factory):
 @pytest.mark.parametrize("gguf_weights", ["both", "packed"])
 def test_fused_step_equals_the_op_by_op_path_with_quantized_weights(tiny_ggufs, qtype, step, gguf_weights):
     """What auto picks on an AVX2 CPU (with the dense copy, or without where it does not fit),
-    forced on any; past four rows the fused decoder runs the copy's GEMM, as the op-by-op path."""
+    forced on any; past sixteen rows the fused decoder runs the copy's GEMM, as the op-by-op path."""
     model = load_model(tiny_ggufs[qtype], dtype="float32", attention_backend="cpu_paged", gguf_weights=gguf_weights)
     model = model.model
     assert model.dtype_name == f"float32+{qtype.name}"  # kept quantized: the embedding and the head too

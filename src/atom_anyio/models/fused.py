@@ -1,6 +1,6 @@
 """The fused CPU decoder (``kernels/csrc/decoder.cpp``): a step runs the whole
 model in one C++ call. It calls the kernels the op-by-op path calls (and past
-four rows the same GEMMs), in the same order, so its hidden states are that
+the GEMVs' rows the same GEMMs), in the same order, so its hidden states are that
 path's bit for bit; what it saves is Python and the dispatcher between them
 (about a third of a single-sequence decode step of SmolLM2-135M Q4_1 on two
 cores).
@@ -85,7 +85,7 @@ def build(model: nn.Module) -> tuple[torch.ScriptObject | None, str | None]:
                 return None, f"layer {i}: a {qtype} weight"
             decoder.set_linear(slot, weight, qtype, linear.bias, slice_rows(linear.weight.shape[1]))
             if isinstance(linear.weight, QuantizedWeight) and linear.weight.dense is not None and not invariant:
-                decoder.set_dense(slot, linear.weight.dense)  # past four rows its GEMM, as quant.cpu_linear
+                decoder.set_dense(slot, linear.weight.dense)  # past the GEMV's rows its GEMM, as quant.cpu_linear
     weight, qtype = (
         _embedding(model.model.embed_tokens.weight) if bfloat16 else _weight(model.model.embed_tokens.weight)
     )

@@ -203,17 +203,24 @@ def weight_bytes(model: nn.Module) -> int:
 
 GEMV_DTYPES = (torch.float32, torch.bfloat16)  # bfloat16 rows widen and round back in the kernel
 MAX_GEMV_ROWS = 4  # up to here the blocks stream once through the GEMV; dequantized slices and a GEMM beyond
+# float32 rows: the GEMV over the blocks up to here (a verifying step's few rows per sequence, a small
+# batch), where torch's float32 GEMM over the dense copy takes longer: SmolLM2's linears 28-37 ms at 5-8
+# rows against 60-66 ms (AMD EPYC Zen 4, 2 threads; the GEMM is ahead from about 24 rows)
+MAX_F32_GEMV_ROWS = 16
 SLICE_FLOATS = 1 << 17  # floats of dequantized weights per GEMM (512 KiB: stays in cache while the GEMM reads it)
 
 
 def cpu_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x W^T + b`` with the kernels, the result in ``x``'s dtype. 1-4 rows: the GEMV over the blocks
-    (float32 arithmetic); more: the dense copy where there is one, else slices dequantized in ``x``'s
-    dtype, each through torch's GEMM (oneDNN's bfloat16 GEMM, AMX where the CPU has it)."""
+    """``x W^T + b`` with the kernels, the result in ``x``'s dtype. 1-4 rows (float32: up to
+    ``MAX_F32_GEMV_ROWS``): the GEMV over the blocks (float32 arithmetic), each row the bits it has
+    alone; more: the dense copy where there is one, else slices dequantized in ``x``'s dtype, each
+    through torch's GEMM (oneDNN's bfloat16 GEMM, AMX where the CPU has it)."""
     n, k = w.shape
     if x.shape[0] == 0:  # a step that samples nothing (a long prompt's first chunks)
         return x.new_empty(0, n)
     if x.shape[0] <= MAX_GEMV_ROWS:  # decode: the hot path, kept lean
+        return gemv_linear(x, w, bias)
+    if x.shape[0] <= MAX_F32_GEMV_ROWS and x.dtype == torch.float32:
         return gemv_linear(x, w, bias)
     if w.dense is not None:
         return F.linear(x, w.dense, bias)

@@ -51,6 +51,7 @@ namespace {
 constexpr int64_t FLOAT = -1;  // a linear's type when its weight is float32
 
 constexpr int64_t MAX_GEMV_ROWS = 4;  // up to here the GEMV kernels; a GEMM beyond (models/ops.py, quant.py)
+constexpr int64_t MAX_F32_QGEMV_ROWS = 16;  // float32 over blocks: the GEMV up to here (quant.MAX_F32_GEMV_ROWS)
 
 // oneDNN's GEMM over a weight it packed (torch.ops.mkldnn._linear_pointwise, as CpuOps.linear calls it)
 at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias) {
@@ -67,8 +68,8 @@ struct Linear {
   int64_t qtype = FLOAT;
   at::Tensor bias;  // undefined: none
   int64_t N = 0, K = 0;
-  int64_t slice_rows = 0;  // quantized, past MAX_GEMV_ROWS: rows dequantized per GEMM (quant.slice_rows)
-  at::Tensor dense;        // quantized: its float32 copy where the model keeps one (past MAX_GEMV_ROWS, one GEMM)
+  int64_t slice_rows = 0;  // quantized, past the GEMV's rows: rows dequantized per GEMM (quant.slice_rows)
+  at::Tensor dense;        // quantized: its float32 copy where the model keeps one (past the GEMV's rows, one GEMM)
   at::Tensor tiles;        // bfloat16: the weight as the tile GEMM's B tiles (ops.pack_tile_weight), any row count
   bool amx = false;        // tiles: on the AMX tiles (the decoder's amx), else AVX512-BF16's pair products
   at::Tensor onednn;       // bfloat16: the weight packed by oneDNN; past MAX_GEMV_ROWS, or at any count without blocks
@@ -95,7 +96,7 @@ struct Linear {
       return of.to(at::kBFloat16);
     }
     const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
-    if (M <= MAX_GEMV_ROWS || any_rows) {
+    if (M <= MAX_GEMV_ROWS || any_rows || (qtype != FLOAT && M <= MAX_F32_QGEMV_ROWS)) {
       at::Tensor out = at::empty({M, N}, x.options());
       if (qtype == FLOAT)
         atom::gemv_f32(out.data_ptr<float>(), x.data_ptr<float>(), M, K, weight.data_ptr<float>(), N, b);
