@@ -162,29 +162,23 @@ def started_targets(args: argparse.Namespace) -> Iterator[list]:
                 tiny.append(str(write_tiny_model(Path(tmp), args.max_model_len)))
             return tiny[0]
 
-        out = []
-        if args.base_url:
-            out.append(lambda: _given(Target(args.label or "base", args.base_url, args.server_pid)))
-        elif args.start_atom:
-            env = {**os.environ, "ATOM_KV_CACHE_GIB": str(args.kv_cache_gib)}
+        def atom(label: str, settings: dict[str, str]):
+            """An atom_anyio target started here, ``settings`` (``ATOM_*`` variables) over the environment."""
 
-            def atom():
-                port = free_port()
-                cmd = atom_command(args.atom_model or model_dir(), port, args.max_model_len)
-                return launched(args.label or "atom_anyio", cmd, env, port, args.start_timeout)
-
-            out.append(atom)
-        for variant in args.atom_variant:  # more atom_anyio targets, each with its own settings
-            label, _, pairs = variant.partition(":")
-            settings = dict(pair.split("=", 1) for pair in pairs.split(",") if "=" in pair)
-
-            def atom_variant(label: str = label, settings: dict[str, str] = settings):
+            def start():
                 port = free_port()
                 cmd = atom_command(args.atom_model or model_dir(), port, args.max_model_len)
                 env = {**os.environ, "ATOM_KV_CACHE_GIB": str(args.kv_cache_gib), **settings}
                 return launched(label, cmd, env, port, args.start_timeout)
 
-            out.append(atom_variant)
+            return start
+
+        out = []
+        if args.base_url:
+            out.append(lambda: _given(Target(args.label or "base", args.base_url, args.server_pid)))
+        elif args.start_atom:
+            out.append(atom(args.label or "atom_anyio", {}))
+        out += [atom(*atom_variant(spec)) for spec in args.atom_variant]  # more, each with its own settings
         if args.compare:
             out.append(lambda: _given(Target(args.compare_label, args.compare, args.compare_pid)))
         if args.start_vllm:
@@ -198,6 +192,15 @@ def started_targets(args: argparse.Namespace) -> Iterator[list]:
 
             out.append(vllm)
         yield out
+
+
+def atom_variant(spec: str) -> tuple[str, dict[str, str]]:
+    """``LABEL:VAR=VALUE[,VAR=VALUE]`` -> the label and the settings of one more atom_anyio target."""
+    label, _, pairs = spec.partition(":")
+    settings = dict(pair.split("=", 1) for pair in pairs.split(",") if "=" in pair)
+    if not label or not settings or not all(name.startswith("ATOM_") for name in settings):
+        raise SystemExit(f"--atom-variant {spec!r}: expected LABEL:ATOM_NAME=VALUE[,ATOM_NAME=VALUE]")
+    return label, settings
 
 
 @contextmanager

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import anyio
 import httpx
 import psutil
-from agentic import atom_command, free_port, launched
+from agentic import atom_command, atom_variant, free_port, launched
 from machine import machine
 from words import WORDS
 
@@ -261,15 +261,6 @@ def targets(args: argparse.Namespace) -> list[Target]:
     if args.start_vllm and (vllm := vllm_target(args)) is not None:
         out.append(vllm)
     return out
-
-
-def atom_variant(spec: str) -> tuple[str, dict[str, str]]:
-    """``LABEL:VAR=VALUE[,VAR=VALUE]`` -> the label and the settings of one more atom_anyio target."""
-    label, _, pairs = spec.partition(":")
-    settings = dict(pair.split("=", 1) for pair in pairs.split(",") if "=" in pair)
-    if not label or not settings or not all(name.startswith("ATOM_") for name in settings):
-        raise SystemExit(f"--atom-variant {spec!r}: expected LABEL:ATOM_NAME=VALUE[,ATOM_NAME=VALUE]")
-    return label, settings
 
 
 # report

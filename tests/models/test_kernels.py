@@ -3,6 +3,7 @@ and ``TorchOps``), the backend choice, and the fallback without a compiler."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -583,16 +584,21 @@ OTHER_CPU_KINDS = {
 }
 
 
+@functools.cache
+def branch_macros() -> frozenset[str]:
+    """The instruction-set macros the kernel sources test (``__AVX2__``, ``__AMX_TILE__``, ...)."""
+    return frozenset(
+        m for source in kernels.CSRC.iterdir() for m in re.findall(r"__(?:AVX|FMA|AMX)\w*__", source.read_text())
+    )
+
+
 def isa_branches(march: str) -> frozenset[str]:
-    """The instruction-set macros the kernel sources branch on that ``-march`` defines: two kinds
-    with the same set compile the same code."""
-    tested = set()
-    for source in kernels.CSRC.iterdir():
-        tested |= set(re.findall(r"__(?:AVX|FMA|AMX)\w*__", source.read_text()))
+    """The macros the kernel sources branch on that ``-march`` defines: two kinds with the same set
+    compile the same code."""
     defined = subprocess.run(
         ["c++", f"-march={march}", "-dM", "-E", "-x", "c++", os.devnull], capture_output=True, text=True, check=True
     ).stdout
-    return frozenset(macro for macro in tested if f"#define {macro} " in defined)
+    return frozenset(macro for macro in branch_macros() if f"#define {macro} " in defined)
 
 
 @pytest.mark.skipif(

@@ -81,9 +81,8 @@ class CpuOps:
         if getattr(layer, "tile_qweight", None) is not None:  # any row count (docs/engine.md)
             return tile_qlinear(x, layer)
         tiles = getattr(layer, "tile_weight", None)
-        if (
-            tiles is not None
-        ):  # any row count: at one row as fast as the GEMV over Q4_1 blocks (29 against 30 ms a token)
+        # any row count: on AMX at one row as fast as the GEMV over Q4_1 blocks (29 against 30 ms a token)
+        if tiles is not None:
             return tile_linear(x, tiles, w.shape[0], layer.bias, layer.tile_amx)
         packed = getattr(layer, "packed_weight", None)
         if packed is not None and (x.shape[0] > CpuOps.MAX_GEMV_ROWS or not isinstance(w, QuantizedWeight)):
@@ -212,7 +211,7 @@ def tile_linear(x: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.Tenso
 
 
 def pack_tile_weight(w: torch.Tensor) -> torch.Tensor:
-    """``w [N, K]`` (bfloat16, K a multiple of 32) as the AMX GEMM's B tiles, ``[ceil(N/16), K/32,
+    """``w [N, K]`` (bfloat16, K a multiple of 32) as the tile GEMM's B tiles, ``[ceil(N/16), K/32,
     16, 32]``: tile (nb, kb), row r holds the dim pairs k = kb*32 + 2r, 2r+1 of columns nb*16 ..
     nb*16+15 (the last block's missing columns zero)."""
     n, k = w.shape
@@ -220,7 +219,7 @@ def pack_tile_weight(w: torch.Tensor) -> torch.Tensor:
     return w.reshape(-1, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).reshape(-1, k // 32, 16, 32).contiguous()
 
 
-TILE_QTYPES = (quant.Q.Q4_0, quant.Q.Q4_1, quant.Q.Q8_0)  # GGUF blocks the AMX GEMM dequantizes itself
+TILE_QTYPES = (quant.Q.Q4_0, quant.Q.Q4_1, quant.Q.Q8_0)  # GGUF blocks the tile GEMM dequantizes itself
 
 
 def tile_qlinear(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
@@ -232,7 +231,7 @@ def tile_qlinear(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
 
 
 def pack_tile_qweight(w: QuantizedWeight) -> torch.Tensor:
-    """``w``'s GGUF blocks (Q4_0, Q4_1, Q8_0) as the AMX GEMM's quantized tiles, ``[ceil(N/16), K/32,
+    """``w``'s GGUF blocks (Q4_0, Q4_1, Q8_0) as the tile GEMM's quantized tiles, ``[ceil(N/16), K/32,
     bytes]``: one block is one column of a tile; row r (dims 2r, 2r+1 of each of the 16 columns) as 16
     bytes of nibbles (byte c: column c's two weights, the first in the low nibble) or 32 int8 for
     Q8_0, then the columns' 16 d and (Q4_1) 16 m as float16 (gemm.cpp). The missing columns of a

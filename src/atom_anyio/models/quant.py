@@ -218,9 +218,7 @@ def cpu_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -
     n, k = w.shape
     if x.shape[0] == 0:  # a step that samples nothing (a long prompt's first chunks)
         return x.new_empty(0, n)
-    if x.shape[0] <= MAX_GEMV_ROWS:  # decode: the hot path, kept lean
-        return gemv_linear(x, w, bias)
-    if x.shape[0] <= MAX_F32_GEMV_ROWS and x.dtype == torch.float32:
+    if x.shape[0] <= (MAX_F32_GEMV_ROWS if x.dtype == torch.float32 else MAX_GEMV_ROWS):  # decode: the hot path
         return gemv_linear(x, w, bias)
     if w.dense is not None:
         return F.linear(x, w.dense, bias)
