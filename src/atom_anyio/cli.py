@@ -105,7 +105,10 @@ async def serve(app) -> int:
     return code
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(settings: bool = True) -> argparse.ArgumentParser:
+    """The command line; ``settings=False`` leaves out ``serve``'s setting flags, whose defaults and
+    choices come from the packages that load torch, transformers and xgrammar (seconds): ``main``
+    adds them only when the command is ``serve``, so that ``logs`` answers at once."""
     ap = argparse.ArgumentParser(prog="atom-anyio", description="An anyio-native LLM inference server.")
     sub = ap.add_subparsers(dest="command", required=True)
 
@@ -126,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve the OpenAI and Anthropic APIs",
         description="Serve the OpenAI and Anthropic APIs. Each flag overrides its ATOM_* variable.",
     )
-    add_setting_flags(srv)
+    if settings:
+        add_setting_flags(srv)
     srv.set_defaults(func=_serve)
 
     logs_cli.add_parser(sub)
@@ -161,7 +165,9 @@ def add_setting_flags(parser: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     from atom_anyio.settings import ConfigError
 
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((arg for arg in argv if not arg.startswith("-")), None)
+    parser = build_parser(settings=command == "serve")
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -84,6 +84,20 @@ def test_logs_summary_names_requests_that_generated_nothing_by_their_outcome(ser
     assert "finish_reasons: stop 90  refused 32  cancelled 3  error 2" in text and "None" not in text
 
 
+def test_logs_summary_loads_none_of_the_engines_packages(served_log):
+    """The log analysis answers at once: only ``serve``'s setting flags need torch, transformers and
+    xgrammar (seconds to import), and the command line adds them for ``serve`` alone."""
+    script = (
+        "import sys; from atom_anyio.cli import main; main(sys.argv[1:]);"
+        "print(sorted(m for m in ('torch', 'transformers', 'xgrammar') if m in sys.modules))"
+    )
+    cmd = [sys.executable, "-c", script, "logs", "summary", str(served_log), "--json"]
+    run = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    *summary, loaded = run.stdout.splitlines()
+    assert json.loads("\n".join(summary))["num_requests"] == 127 and loaded == "[]"
+
+
 def test_logs_summary_rates_the_last_window_over_the_time_the_log_covers(served_log):
     s = json.loads(cli("logs", "summary", str(served_log), "--json", "--window", "60").stdout)
     first, last = s["windows"]
