@@ -46,14 +46,12 @@ class City(pydantic.BaseModel):
 
 @dataclass(frozen=True)
 class Server:
-    url: str
+    """The served model, and one client of each SDK that every sample shares (an SDK client per
+    sample loaded the CA bundle 200 times: 5 s of the event loop before the first request)."""
+
     model: str
-
-    def openai(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
-
-    def anthropic(self) -> anthropic.AsyncAnthropic:
-        return anthropic.AsyncAnthropic(base_url=self.url, api_key="unused", max_retries=0)
+    openai: openai.AsyncOpenAI
+    anthropic: anthropic.AsyncAnthropic
 
 
 @dataclass
@@ -79,12 +77,11 @@ async def chat(server: Server, seed: int, **body: Any) -> Calls:
         for n, p in PARAMETERS.items()
     ]
     messages = [{"role": "user", "content": QUESTION}]
-    async with server.openai() as oa:
-        out = await oa.chat.completions.create(
-            model=server.model, messages=messages, tools=tools, temperature=1.0, seed=seed, max_tokens=100, **body
-        )
-        if body.get("stream"):
-            return await joined(out)
+    out = await server.openai.chat.completions.create(
+        model=server.model, messages=messages, tools=tools, temperature=1.0, seed=seed, max_tokens=100, **body
+    )
+    if body.get("stream"):
+        return await joined(out)
     choice = out.choices[0]
     assert choice.finish_reason in ("tool_calls", "length"), choice
     calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
@@ -108,31 +105,29 @@ async def responses(server: Server, seed: int, **body: Any) -> Calls:
     tools = [
         {"type": "function", "name": n, "description": DESCRIPTIONS[n], "parameters": p} for n, p in PARAMETERS.items()
     ]
-    async with server.openai() as oa:
-        out = await oa.responses.create(
-            model=server.model,
-            input=QUESTION,
-            tools=tools,
-            temperature=1.0,
-            max_output_tokens=100,
-            extra_body={"seed": seed},
-            **body,
-        )
+    out = await server.openai.responses.create(
+        model=server.model,
+        input=QUESTION,
+        tools=tools,
+        temperature=1.0,
+        max_output_tokens=100,
+        extra_body={"seed": seed},
+        **body,
+    )
     calls = [(item.name, item.arguments) for item in out.output if item.type == "function_call"]
     return Calls(out.status == "incomplete", out.output_text, calls)
 
 
 async def messages(server: Server, seed: int, **body: Any) -> Calls:
     tools = [{"name": n, "description": DESCRIPTIONS[n], "input_schema": p} for n, p in PARAMETERS.items()]
-    async with server.anthropic() as an:
-        out = await an.messages.create(
-            model=server.model,
-            max_tokens=100,
-            messages=[{"role": "user", "content": QUESTION}],
-            tools=tools,
-            extra_body={"temperature": 1.0, "seed": seed},  # this SDK version takes no temperature argument
-            **body,
-        )
+    out = await server.anthropic.messages.create(
+        model=server.model,
+        max_tokens=100,
+        messages=[{"role": "user", "content": QUESTION}],
+        tools=tools,
+        extra_body={"temperature": 1.0, "seed": seed},  # this SDK version takes no temperature argument
+        **body,
+    )
     assert out.stop_reason in ("tool_use", "max_tokens"), out
     calls = [(b.name, json.dumps(b.input)) for b in out.content if b.type == "tool_use"]
     return Calls(out.stop_reason == "max_tokens", "".join(b.text for b in out.content if b.type == "text"), calls)
@@ -142,15 +137,14 @@ async def messages(server: Server, seed: int, **body: Any) -> Calls:
 
 
 async def chat_parse(server: Server, seed: int) -> Parsed:
-    async with server.openai() as oa:
-        raw = await oa.chat.completions.with_raw_response.parse(
-            model=server.model,
-            messages=[{"role": "user", "content": CITY_PROMPT}],
-            response_format=City,
-            temperature=1.0,
-            seed=seed,
-            max_tokens=300,
-        )
+    raw = await server.openai.chat.completions.with_raw_response.parse(
+        model=server.model,
+        messages=[{"role": "user", "content": CITY_PROMPT}],
+        response_format=City,
+        temperature=1.0,
+        seed=seed,
+        max_tokens=300,
+    )
     choice = json.loads(raw.http_response.text)["choices"][0]
     try:
         parsed = raw.parse().choices[0].message.parsed
@@ -160,15 +154,14 @@ async def chat_parse(server: Server, seed: int) -> Parsed:
 
 
 async def responses_parse(server: Server, seed: int) -> Parsed:
-    async with server.openai() as oa:
-        raw = await oa.responses.with_raw_response.parse(
-            model=server.model,
-            input=CITY_PROMPT,
-            text_format=City,
-            temperature=1.0,
-            max_output_tokens=300,
-            extra_body={"seed": seed},
-        )
+    raw = await server.openai.responses.with_raw_response.parse(
+        model=server.model,
+        input=CITY_PROMPT,
+        text_format=City,
+        temperature=1.0,
+        max_output_tokens=300,
+        extra_body={"seed": seed},
+    )
     body = json.loads(raw.http_response.text)
     try:
         parsed = raw.parse().output_parsed
@@ -212,8 +205,13 @@ async def samples(smollm2) -> dict[str, list[Any]]:
     async def one(server: Server, name: str, check: Check, seed: int) -> None:
         out[name][seed] = await check.sample(server, seed, **check.body)
 
-    async with serving_app(smollm2, kv_cache_gib=0.5) as atom, served_over_http(atom) as url:
-        server = Server(url, atom.runtime.model_name)
+    async with (
+        serving_app(smollm2, kv_cache_gib=0.5) as atom,
+        served_over_http(atom) as url,
+        openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as oa,
+        anthropic.AsyncAnthropic(base_url=url, api_key="unused", max_retries=0) as an,
+    ):
+        server = Server(atom.runtime.model_name, oa, an)
         async with anyio.create_task_group() as tg:
             for name, check in (CALL_CHECKS | PARSE_CHECKS).items():
                 for seed in SEEDS:
