@@ -333,7 +333,10 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, tp: TensorParallel):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # given a weight, the embedding skips its random init: on the meta device that init imports
+        # torch._dynamo (0.7 s of every start); the loader assigns the real one
+        empty = torch.empty(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=empty)
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend, i, tp) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend.ops)
 
@@ -353,7 +356,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        inv_freq, self.rope_scale = rope_inv_freq(cfg)
+        with torch.device("cpu"):  # not on the meta device the loader builds under: any op there imports torch._dynamo
+            inv_freq, self.rope_scale = rope_inv_freq(cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.use_fused = True  # steps through the fused decoder (models/fused.py), where it applies
         self._fused: tuple[torch.ScriptObject | None, str | None] | None = None  # built at load, else at the first step
