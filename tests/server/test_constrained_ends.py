@@ -1,7 +1,9 @@
-"""Constrained output ends (issue 24): the default model, SmolLM2-135M, sampled at temperature 1.0
-under forced tool calls and JSON schemas, through the official SDKs over real hypercorn, 20 seeds
-a check (Responses and Anthropic take the seed as an extension, in ``extra_body``). Every check's
-samples run in one engine batch, once for the module; each test reads its own.
+"""Constrained output ends (issue 24): the default model, SmolLM2-135M, as the server loads it at
+its defaults (``auto``: bfloat16 where the CPU has it natively, float32 elsewhere), sampled at
+temperature 1.0 under forced tool calls and JSON schemas, through the official SDKs over real
+hypercorn, 20 seeds a check (Responses and Anthropic take the seed as an extension, in
+``extra_body``). Every check's samples run in one engine batch, once for the module; each test
+reads its own.
 
 The grammar leaves the model no whitespace to pad with and no number to run on, and lets it stop
 after any complete call; a string stays unbounded, and in its last tokens the wind-down closes
@@ -24,6 +26,8 @@ import openai
 import pydantic
 import pytest
 from support_servers import served_over_http, serving_app
+
+from atom_anyio.models.loader import load_model
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
@@ -198,7 +202,7 @@ def anyio_backend() -> str:
 
 
 @pytest.fixture(scope="module")
-async def samples(smollm2) -> dict[str, list[Any]]:
+async def samples(smollm2_path) -> dict[str, list[Any]]:
     """Every check's sample for every seed, all in flight together."""
     out: dict[str, dict[int, Any]] = {name: {} for name in CALL_CHECKS | PARSE_CHECKS}
 
@@ -206,7 +210,7 @@ async def samples(smollm2) -> dict[str, list[Any]]:
         out[name][seed] = await check.sample(server, seed, **check.body)
 
     async with (
-        serving_app(smollm2, kv_cache_gib=0.5) as atom,
+        serving_app(load_model(None, "auto"), kv_cache_gib=0.5) as atom,
         served_over_http(atom) as url,
         openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as oa,
         anthropic.AsyncAnthropic(base_url=url, api_key="unused", max_retries=0) as an,
