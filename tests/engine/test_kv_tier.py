@@ -116,8 +116,6 @@ def test_bad_tier_settings_are_named():
         Config.of(kv_offloading_size=-1.0)
     with pytest.raises(ValueError, match="kv_offloading_dir"):
         Config.of(kv_offloading_size=1.0, kv_offloading_dir="/no/such/dir")
-    with pytest.raises(ValueError, match="kv_offloading_size runs with tensor_parallel_size 1"):
-        EngineConfig(kv_offloading_size=1.0, tensor_parallel_size=2)
 
 
 async def greedy(engine: Engine, prompts: list[list[int]], max_tokens: int = 8) -> list[tuple[list[int], int]]:

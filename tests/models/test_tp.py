@@ -91,6 +91,25 @@ def test_greedy_output_at_two_ranks_equals_one_and_transformers_with_a_replicate
     assert at_two == at_one == [transformers_greedy(replicated_kv_dir, p, 24) for p in ids]
 
 
+def test_a_history_restored_from_the_tier_at_two_ranks_gives_one_ranks_tokens(tiny_model_dir, tmp_path):
+    """Each rank keeps its shard of the evicted blocks in a tier of its own and copies the same
+    blocks back as rank 0: a 40-block pool, 24-block prompts, the first evicted by the second and
+    restored from the tiers, continues as computed afresh at one rank."""
+    history = [(7 * i) % 997 + 3 for i in range(24 * 16)]
+    other = [(11 * i) % 991 + 5 for i in range(24 * 16)]
+    small = dict(dtype="float32", max_model_len=1024, num_kv_blocks=40, block_size=16)
+    tier = dict(kv_offloading_size=0.02, kv_offloading_dir=str(tmp_path))
+    with offline(str(tiny_model_dir), **small, **tier, tensor_parallel_size=2) as two:
+        assert two.engine.worker.tier is not None and two.engine.block_manager.tier.num_slots > 0
+        first, _, again = (two.generate([p], greedy(8))[0] for p in (history, other, history))
+        stats = two.engine.stats().tier
+    assert stats.num_saved_blocks > 0 and stats.num_restored_blocks > 0
+    assert again.num_cached_tokens == 23 * 16  # the pool's hits, then the tiers'
+    with offline(str(tiny_model_dir), **small, enable_prefix_caching=False) as one:
+        (computed,) = one.generate([history], greedy(8))
+    assert first.outputs[0].token_ids == again.outputs[0].token_ids == computed.outputs[0].token_ids
+
+
 def test_every_rank_loads_its_shard_as_rank_0s_plan(replicated_kv_dir):
     """cpu_native_kernels and cpu_amx are part of the plan the model is loaded as, and every rank's
     process loads its shard from rank 0's plan: they all run the same kernel variants."""

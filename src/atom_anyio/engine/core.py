@@ -67,7 +67,9 @@ class Engine:
         per_block = kv_bytes_per_token(loaded.model, param.dtype) * cfg.block_size
         num_blocks = cfg.num_kv_blocks or self._num_pool_blocks(per_block, kv_pool_bytes(cfg, loaded.model))
         self.kv_events = KVEventPublisher(cfg.kv_events) if cfg.kv_events else None  # runs with run()
-        tier_slots = num_tier_slots(cfg.kv_offloading_size, per_block) if cfg.enable_prefix_caching else 0
+        # per_block is a rank's (its shard of the KV heads); the size is all ranks' together, as vLLM's
+        tier_gib = cfg.kv_offloading_size / cfg.tensor_parallel_size
+        tier_slots = num_tier_slots(tier_gib, per_block) if cfg.enable_prefix_caching else 0
         medium = tier_medium(next(loaded.model.parameters()).device)
         self.block_manager = BlockManager(
             num_blocks,
@@ -90,7 +92,7 @@ class Engine:
         )
         graphs = (self.max_model_len, cfg.max_num_seqs) if cfg.cuda_graphs else None
         if cfg.tensor_parallel_size > 1:  # rank 0, driving the other ranks' processes
-            self.worker = TensorParallelWorker(loaded, num_blocks, cfg, sampler)
+            self.worker = TensorParallelWorker(loaded, num_blocks, cfg, sampler, tier_slots)
         else:
             self.worker = Worker(
                 loaded.model,

@@ -36,7 +36,8 @@ class EngineConfig:
     kv_offloading_size: float = setting(
         0.0,
         "GiB of a second KV tier: blocks evicted from the pool are copied there and prefix hits restored from it "
-        "(vLLM's --kv-offloading-size); on the CPU a file on local disk, on a GPU pinned host memory; 0: off",
+        "(vLLM's --kv-offloading-size: all tensor-parallel ranks' together, each holding its shard); on the CPU "
+        "a file on local disk, on a GPU pinned host memory; 0: off",
     )
     kv_offloading_dir: str | None = setting(None, "the directory of the CPU tier's file (default: the temp dir)")
     scheduling_policy: str = setting(
@@ -104,8 +105,6 @@ class EngineConfig:
             )
         if self.kv_offloading_size < 0:
             raise ValueError(f"kv_offloading_size must be at least 0, not {self.kv_offloading_size}")
-        if self.kv_offloading_size and self.tensor_parallel_size > 1:
-            raise ValueError("kv_offloading_size runs with tensor_parallel_size 1 only")
         if self.kv_offloading_dir is not None and not os.path.isdir(self.kv_offloading_dir):
             raise ValueError(f"kv_offloading_dir {self.kv_offloading_dir!r} is not a directory")
         if self.kv_cache_gib <= 0:

@@ -58,6 +58,8 @@ class RankSpec:
     block_size: int
     num_threads: int
     store_port: int  # rank 0's rendezvous store
+    tier_slots: int = 0  # blocks of the rank's own KV tier (its shard of each block): rank 0's count
+    tier_dir: str | None = None
 
     @property
     def size(self) -> int:
@@ -68,7 +70,14 @@ class TensorParallelWorker(Worker):
     """Rank 0. Built on a thread that lives as long as the ranks (the event loop's, or the
     offline ``LLM``'s caller): PR_SET_PDEATHSIG ends a rank when the thread that started it ends."""
 
-    def __init__(self, loaded: LoadedModel, num_blocks: int, cfg: EngineConfig, sampler: Sampler | None = None):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        num_blocks: int,
+        cfg: EngineConfig,
+        sampler: Sampler | None = None,
+        tier_slots: int = 0,  # each rank's KV tier holds these blocks, of its shard (kv_tier.py)
+    ):
         size = cfg.tensor_parallel_size
         if loaded.model.tp.size != size or loaded.plan is None:
             raise ValueError(
@@ -76,11 +85,23 @@ class TensorParallelWorker(Worker):
             )
         if dist.is_initialized():
             raise RuntimeError("one tensor-parallel engine per process: close the other one (worker.close()) first")
-        super().__init__(loaded.model, num_blocks, cfg.block_size, cfg.threads_per_rank, sampler=sampler)
+        tier_dir = cfg.kv_offloading_dir
+        super().__init__(
+            loaded.model,
+            num_blocks,
+            cfg.block_size,
+            cfg.threads_per_rank,
+            tier_slots=tier_slots,
+            tier_dir=tier_dir,
+            sampler=sampler,
+        )
         # port 0: any free one; the ranks join the group only once they have loaded their shards
         self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
         plan, port = loaded.plan, self._store.port
-        specs = [RankSpec(plan, r, num_blocks, cfg.block_size, cfg.threads_per_rank, port) for r in range(1, size)]
+        specs = [
+            RankSpec(plan, r, num_blocks, cfg.block_size, cfg.threads_per_rank, port, tier_slots, tier_dir)
+            for r in range(1, size)
+        ]
         self.ranks = [Rank.start(spec) for spec in specs]
         self.close = weakref.finalize(self, _stop, self.ranks)  # also at interpreter exit
         self.rank_plans: list[ModelPlan] = []  # what each rank loaded its shard as
@@ -188,6 +209,7 @@ def serve_steps(worker: Worker, conn: Connection) -> None:
     torch.set_num_threads(worker.num_threads)
     with torch.inference_mode():
         while (step := pickle.loads(conn.recv_bytes())) is not None:
+            worker.copy_tier(step)  # the same blocks as rank 0's, of this rank's shard
             worker.forward(step)
 
 
@@ -207,7 +229,14 @@ def main(fd: int, parent: int) -> int:
     device = spec.plan.rank_device(spec.rank)
     try:
         loaded = load_rank(spec)
-        worker = Worker(loaded.model, spec.num_blocks, spec.block_size, spec.num_threads)
+        worker = Worker(
+            loaded.model,
+            spec.num_blocks,
+            spec.block_size,
+            spec.num_threads,
+            tier_slots=spec.tier_slots,
+            tier_dir=spec.tier_dir,
+        )
     except Exception as exc:
         conn.send_bytes(pickle.dumps((f"{type(exc).__name__}: {exc}", None)))
         return 1

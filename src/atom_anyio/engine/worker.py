@@ -117,10 +117,7 @@ class Worker:
         elif torch.get_num_threads() != self.num_threads:  # OpenMP settings are per thread too
             torch.set_num_threads(self.num_threads)
         t0 = time.perf_counter()
-        copy_s = None
-        if step.kv_saves or step.kv_loads:
-            self.tier.transfer(self.kv_pool, step.kv_saves, step.kv_loads)
-            copy_s = time.perf_counter() - t0
+        copy_s = self.copy_tier(step)
         graphs = self.graphs
         one_row_each = not (step.prompt_rows or step.draft_token_ids)
         every_row_samples = len(step.sample_rows) == len(step.query_lens) and one_row_each
@@ -147,6 +144,15 @@ class Worker:
         if copy_s is not None:
             timings["kv_copy"] = copy_s
         return StepOutput(out.token_ids, out.logprobs, num_accepted, timings=timings, prompt_logprobs=prompt_logprobs)
+
+    def copy_tier(self, step: StepInput) -> float | None:
+        """The step's copies between the pool and the tier (saves, then loads), run before its
+        forward on every rank; their seconds, or None for a step without any."""
+        if not (step.kv_saves or step.kv_loads):
+            return None
+        t0 = time.perf_counter()
+        self.tier.transfer(self.kv_pool, step.kv_saves, step.kv_loads)
+        return time.perf_counter() - t0
 
     def forward(self, step: StepInput) -> tuple[torch.Tensor, list[list[Logprob]]]:
         """float32 logits of the step's sample rows, and the logprobs its prompt rows asked for."""
