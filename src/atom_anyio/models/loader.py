@@ -30,7 +30,6 @@ from atom_anyio.models.gguf_file import load_gguf_tokenizer, read_gguf
 from atom_anyio.models.moe import stack_experts
 from atom_anyio.models.ops import CpuOps, can_pack_bf16, on_tiles, pack_bf16_linears
 from atom_anyio.models.plan import ModelPlan, default_model_path, plan_model
-from atom_anyio.models.rope import rope_inv_freq
 from atom_anyio.models.tensor_parallel import TensorParallel
 
 log = structlog.get_logger("atom_anyio.models")
@@ -237,7 +236,7 @@ def build_model(
         missing = [k for k in missing if k != "lm_head.weight"]
     if missing or unexpected:
         raise ValueError(f"weights do not match the {cfg.architecture} config: missing {missing}, unknown {unexpected}")
-    model.inv_freq = rope_inv_freq(cfg)[0].to(device)  # non-persistent, still on meta
+    model.inv_freq = model.inv_freq.to(device)  # non-persistent (not in the state dict): built on the CPU
     return model.eval().requires_grad_(False)
 
 
