@@ -15,13 +15,11 @@ from typing import Any
 
 import structlog
 
-from atom_anyio import kernels
 from atom_anyio.engine.engine_config import EngineConfig
 from atom_anyio.generation_defaults import from_override
-from atom_anyio.models.attention import BACKENDS
-from atom_anyio.models.plan import DTYPES, GGUF_WEIGHTS
+from atom_anyio.models.plan import BACKENDS, DTYPES, GGUF_WEIGHTS
 from atom_anyio.parse import ParserSpec
-from atom_anyio.prompt.prepare import CONTEXT_OVERFLOW_POLICIES
+from atom_anyio.prompt.drop_oldest import CONTEXT_OVERFLOW_POLICIES
 from atom_anyio.settings import ConfigError, parse_setting, setting, setting_name, settings_of
 
 log = structlog.get_logger("atom_anyio.config")
@@ -110,14 +108,16 @@ class Config:
             from_override(self.override_generation_config)
         except ValueError as exc:
             raise ConfigError(f"override_generation_config: {exc}") from None
-        if self.device == "cpu":
-            kernels.kernel_isa()  # ATOM_KERNEL_ISA, read where the kernels are built: a bad one fails here
         if self.model is not None and not os.path.exists(self.model):
             raise ConfigError(f"model: no such file or directory: {self.model}")
         try:
             ParserSpec.detect(None, reasoning_parser=self.reasoning_parser, tool_call_parser=self.tool_call_parser)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        if self.device == "cpu":  # last: the kernels import torch, which the checks above need not wait for
+            from atom_anyio import kernels
+
+            kernels.kernel_isa()  # ATOM_KERNEL_ISA, read where the kernels are built: a bad one fails here
 
     @classmethod
     def of(cls, **settings: Any) -> Config:

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import string
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import xgrammar as xgr
+if TYPE_CHECKING:
+    import xgrammar as xgr
+
 
 WIND_DOWN_TOKENS = 64  # tokens left from which a constrained row keeps room to close its grammar
 MAX_CLOSING_CHARS = 256

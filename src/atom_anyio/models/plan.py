@@ -16,15 +16,18 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from atom_anyio import kernels
+# torch and the kernels are imported where they are used: the settings (config.py) read this
+# module's choices, and `atom-anyio serve --help` or a bad setting should not wait for torch
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # float16: GPUs only
 GGUF_WEIGHTS = ("auto", "packed", "both", "dequantize")
+BACKENDS = ("auto", "cpu", "cpu_paged", "torch", "triton", "flashinfer", "aiter")  # attention.select_backend's
 
 
 @dataclass(frozen=True)
@@ -38,7 +41,7 @@ class ModelPlan:
     dtype: str  # resolved (resolve_dtype): float32, bfloat16 or float16
     gguf_weights: str  # one of GGUF_WEIGHTS, as asked
     weight_layout: str  # a GGUF's quantized layers: packed, both or dequantize (gguf_layout)
-    attention_requested: str  # one of attention.BACKENDS
+    attention_requested: str  # one of BACKENDS
     batch_invariant_requested: bool | None  # None: auto
     native_kernels: bool  # cpu_native_kernels: the CPU kernels' native variants, else their portable twins
     amx: bool  # cpu_amx: attention and bfloat16 linears on the AMX tiles where the CPU has them
@@ -56,10 +59,14 @@ class ModelPlan:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        import torch
+
         return getattr(torch, self.dtype)
 
     def rank_device(self, rank: int) -> torch.device:
         """Rank ``r`` of a model on ``cuda:N`` runs on ``cuda:N+r``; on the CPU, every rank on the CPU."""
+        import torch
+
         device = torch.device(self.device)
         return device if device.type != "cuda" else torch.device("cuda", (device.index or 0) + rank)
 
@@ -86,6 +93,8 @@ def plan_model(
     ``batch_invariant`` None: auto (``loader.batch_invariant_auto_reason``); ``hf_overrides``:
     keys merged into the model's config; ``native_kernels``, ``amx``: ``cpu_native_kernels``,
     ``cpu_amx``. A bad value is a ValueError naming it."""
+    import torch
+
     device = torch.device(device)
     resolved = resolve_dtype(dtype, device)
     requested = dtype if isinstance(dtype, str) else _name(dtype)
@@ -127,6 +136,10 @@ def resolve_dtype(dtype: torch.dtype | str, device: torch.device) -> torch.dtype
     fastest faithful dtype for the device: bfloat16 on GPUs and on CPUs with
     native bfloat16 arithmetic (AVX512-BF16 or AMX), float32 on other CPUs
     (emulated bfloat16 GEMMs are several times slower than float32 ones)."""
+    import torch
+
+    from atom_anyio import kernels
+
     if dtype == "auto":
         return torch.bfloat16 if device.type != "cpu" or kernels.has_native_bf16() else torch.float32
     if isinstance(dtype, str):

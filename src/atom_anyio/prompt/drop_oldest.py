@@ -7,6 +7,10 @@ from typing import Any
 
 from atom_anyio.prompt.segment_cache import Tokenized
 
+# what a prompt past the context gets (the context_overflow setting): an error, or its oldest
+# messages dropped (here); defined here, away from the prompt's heavier modules, for the settings
+CONTEXT_OVERFLOW_POLICIES = ("error", "drop_oldest")
+
 _SYSTEM_ROLES = frozenset({"system", "developer"})
 _ANCHOR_CHARS = 256
 

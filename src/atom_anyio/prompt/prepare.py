@@ -20,7 +20,7 @@ from atom_anyio.engine.grammar import Constraint, GrammarError, Grammars
 from atom_anyio.engine.request import EngineRequest, KVLease
 from atom_anyio.parse import ParserSpec
 from atom_anyio.parse.reasoning import opens_reasoning
-from atom_anyio.prompt.drop_oldest import drop_oldest
+from atom_anyio.prompt.drop_oldest import CONTEXT_OVERFLOW_POLICIES, drop_oldest
 from atom_anyio.prompt.render import (
     RESERVED_TEMPLATE_VARIABLES,
     compile_chat_template,
@@ -33,7 +33,6 @@ from atom_anyio.sampling_params import SamplingParams, StructuredOutputs
 
 log = structlog.get_logger("atom_anyio.prompt")
 
-CONTEXT_OVERFLOW_POLICIES = ("error", "drop_oldest")
 TRUNCATION_MODES = ("disabled", "auto", "drop_oldest")
 
 

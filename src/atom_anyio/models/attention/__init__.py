@@ -51,6 +51,7 @@ from atom_anyio.models.attention.metadata import (
     triton_interpreted,
 )
 from atom_anyio.models.attention.portable import TorchPagedAttention, gather
+from atom_anyio.models.plan import BACKENDS
 
 __all__ = [
     "BACKENDS",
@@ -73,8 +74,6 @@ __all__ = [
 ]
 
 log = structlog.get_logger("atom_anyio.models")
-
-BACKENDS = ("auto", "cpu", "cpu_paged", "torch", "triton", "flashinfer", "aiter")
 
 
 def select_backend(
