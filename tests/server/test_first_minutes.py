@@ -84,28 +84,36 @@ def test_logs_summary_names_requests_that_generated_nothing_by_their_outcome(ser
     assert "finish_reasons: stop 90  refused 32  cancelled 3  error 2" in text and "None" not in text
 
 
+ENGINE_PACKAGES = ("torch", "transformers", "xgrammar")
+
+
 @pytest.mark.parametrize(
-    ("args", "env", "code"),
+    ("args", "env", "code", "unloaded"),
     [
-        (["logs", "summary", "LOG", "--json"], {}, 0),
-        (["serve", "--help"], {}, 0),
-        (["serve"], {"max_num_seqs": "abc"}, 2),
-        (["serve", "--dtype", "float64"], {}, 2),
+        # logs builds none of serve's setting flags: not even the settings' modules
+        (["logs", "summary", "LOG", "--json"], {}, 0, (*ENGINE_PACKAGES, "atom_anyio.config")),
+        (["serve", "--help"], {}, 0, ENGINE_PACKAGES),
+        (["serve"], {"max_num_seqs": "abc"}, 2, ENGINE_PACKAGES),
+        (["serve", "--dtype", "float64"], {}, 2, ENGINE_PACKAGES),
     ],
     ids=["logs summary", "serve --help", "a bad variable", "a bad flag"],
 )
-def test_the_command_line_answers_without_the_engines_packages(served_log, args, env, code):
-    """The log analysis, serve's help and a bad setting answer at once (0.1-0.4 s, where importing
+def test_the_command_line_answers_without_the_engines_packages(served_log, args, env, code, unloaded):
+    """The log analysis, serve's help and a bad setting answer at once (0.05-0.4 s, where importing
     torch, transformers and xgrammar took 2.8-3.7 s): those are for serving, and for the kernels'
     ISA check, the settings' last."""
     script = (
-        "import sys\nfrom atom_anyio.cli import main\ntry:\n    code = main(sys.argv[1:])\n"
+        "import sys\nfrom atom_anyio.cli import main\ntry:\n    code = main(sys.argv[2:])\n"
         "except SystemExit as exc:\n    code = exc.code\n"
-        "print(code, sorted(m for m in ('torch', 'transformers', 'xgrammar') if m in sys.modules))"
+        "print(code, sorted(m for m in sys.argv[1].split(',') if m in sys.modules))"
     )
     argv = [str(served_log) if arg == "LOG" else arg for arg in args]
     run = subprocess.run(
-        [sys.executable, "-c", script, *argv], env=clean_env(**env), capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", script, ",".join(unloaded), *argv],
+        env=clean_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert run.stdout.splitlines()[-1] == f"{code} []", run.stderr
 
