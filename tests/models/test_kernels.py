@@ -604,36 +604,35 @@ def isa_branches(march: str) -> frozenset[str]:
 @pytest.mark.skipif(
     platform.machine() not in ("x86_64", "AMD64") or shutil.which("c++") is None, reason="an x86-64 C++ compiler"
 )
-def test_the_kernels_compile_for_the_other_cpu_kinds(tmp_path):
+def test_the_kernels_compile_for_the_other_cpu_kinds():
     """Every source compiles with the flags each other CPU kind's build gets (a #ifdef'd variant's
     names used outside their #ifdef had broken the build on every CPU without AMX while the
-    suite passed on one with it). Syntax only; a kind whose ISA branches are those of the build
-    loaded here (``kernels.compiler_flags``) was compiled by it. The sources with ISA branches go
-    in one translation unit per kind, so that torch's headers are read once a kind, not once a
-    source (each source compiles on its own in the build loaded here)."""
+    suite passed on one with it). Syntax only, every source and kind at once; a kind whose ISA
+    branches are those of the build loaded here (``kernels.compiler_flags``) was compiled by it."""
     assert kernels.load_cpu_kernels() is None
     built = isa_branches(kernels.compiler_flags()[-1].removeprefix("-march="))
     assert "__AVX2__" in built and "__FMA__" in built
     includes = [f"-I{path}" for path in cpp_extension.include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
     flags = [f for f in kernels.FLAGS if f not in ("-O3", "-march=native")] + ["-std=c++20", "-fsyntax-only"]
-    branched = [s for s in kernels.SOURCES if "vec.h" in s.read_text() or "amx.h" in s.read_text()]
-    assert {s.name for s in branched} == {"paged_attention.cpp", "ops.cpp", "quant.cpp", "gemm.cpp", "registry.cpp"}
-    unit = tmp_path / "kernels.cpp"
-    unit.write_text("".join(f'#include "{source}"\n' for source in branched))
     runs = {
-        arch: subprocess.Popen(
-            ["c++", *flags, f"-march={arch}", *includes, str(unit)],
+        (arch, source.name): subprocess.Popen(
+            ["c++", *flags, f"-march={arch}", *includes, str(source)],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
         )
         for arch in OTHER_CPU_KINDS
         if isa_branches(arch) != built
+        for source in kernels.SOURCES
+        if "vec.h" in source.read_text() or "amx.h" in source.read_text()  # the ones with ISA branches
     }
-    assert len(runs) >= 2  # two kinds at least are not this CPU's
-    failed = {arch: run.communicate()[1] for arch, run in runs.items()}
-    failed = {arch: err for arch, err in failed.items() if runs[arch].returncode != 0}
-    assert not failed, "\n".join(f"{arch} ({OTHER_CPU_KINDS[arch]}):\n{err[:2000]}" for arch, err in failed.items())
+    assert {name for _, name in runs} == {"paged_attention.cpp", "ops.cpp", "quant.cpp", "gemm.cpp", "registry.cpp"}
+    assert len(runs) >= 10  # two kinds at least are not this CPU's
+    failed = {key: run.communicate()[1] for key, run in runs.items()}
+    failed = {key: err for key, err in failed.items() if runs[key].returncode != 0}
+    assert not failed, "\n".join(
+        f"{arch} ({OTHER_CPU_KINDS[arch]}) {name}:\n{err[:2000]}" for (arch, name), err in failed.items()
+    )
 
 
 XEON = "flags : fpu sse2 avx2 fma avx512f avx512bw avx512vl avx512_bf16 avx512_fp16 amx_bf16 amx_tile"
