@@ -136,12 +136,14 @@ async def greedy(engine: Engine, prompts: list[list[int]], max_tokens: int = 8) 
 
 
 @pytest.mark.anyio
-async def test_a_history_restored_from_the_tier_gives_the_same_greedy_tokens(tiny_model, tmp_path):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+async def test_a_history_restored_from_the_tier_gives_the_same_greedy_tokens(tiny_model, tmp_path, kv_cache_dtype):
     """A 40-block pool, prompts of 24 blocks: the second prompt evicts most of the first, which
-    comes back from the tier (the disk file) and continues exactly as computed afresh."""
+    comes back from the tier (the disk file) and continues exactly as computed afresh; with an
+    fp8 pool, the tier's blocks are fp8 too (a quarter of the float32 model's bytes)."""
     history = [(7 * i) % 997 + 3 for i in range(24 * 16)]
     other = [(11 * i) % 991 + 5 for i in range(24 * 16)]
-    small = dict(max_model_len=1024, num_kv_blocks=40, block_size=16)
+    small = dict(max_model_len=1024, num_kv_blocks=40, block_size=16, kv_cache_dtype=kv_cache_dtype)
     tiered = Engine(tiny_model, EngineConfig(**small, kv_offloading_size=0.01, kv_offloading_dir=str(tmp_path)))
     (first, _), _, (again, cached) = await greedy(tiered, [history, other, history])
     stats = tiered.stats().tier
@@ -149,6 +151,8 @@ async def test_a_history_restored_from_the_tier_gives_the_same_greedy_tokens(tin
     copies = sum(stats.copy_seconds.counts)  # the steps that copied, timed (atom_kv_tier_copy_seconds)
     assert 0 < copies < sum(tiered.stats().step_seconds.counts) and stats.copy_seconds.sum > 0
     assert cached == 23 * 16  # every full block of the prompt but the last: the pool's hits, then the tier's
+    assert tiered.worker.tier.slots.dtype == tiered.worker.kv_pool.dtype
+    assert tiered.worker.kv_pool.element_size() == (1 if kv_cache_dtype == "fp8" else 4)
     fresh = Engine(tiny_model, EngineConfig(**small, enable_prefix_caching=False))
     ((computed, _),) = await greedy(fresh, [history])
     assert first == again == computed

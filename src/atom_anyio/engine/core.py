@@ -42,6 +42,7 @@ from atom_anyio.engine.step import StepInput, StepOutput, build_step
 from atom_anyio.engine.stream import RequestStream
 from atom_anyio.engine.tp_workers import TensorParallelWorker
 from atom_anyio.engine.worker import Worker, kv_bytes_per_token, kv_pool_bytes
+from atom_anyio.models.attention.metadata import kv_cache_torch_dtype
 from atom_anyio.models.loader import LoadedModel
 
 log = structlog.get_logger("atom_anyio.engine")
@@ -64,7 +65,8 @@ class Engine:
             t for t in [loaded.tokenizer.eos_token_id] if t is not None
         )
         param = next(loaded.model.parameters())
-        per_block = kv_bytes_per_token(loaded.model, param.dtype) * cfg.block_size
+        kv_dtype = kv_cache_torch_dtype(cfg.kv_cache_dtype, param.dtype)
+        per_block = kv_bytes_per_token(loaded.model, kv_dtype) * cfg.block_size
         num_blocks = cfg.num_kv_blocks or self._num_pool_blocks(per_block, kv_pool_bytes(cfg, loaded.model))
         self.kv_events = KVEventPublisher(cfg.kv_events) if cfg.kv_events else None  # runs with run()
         # per_block is a rank's (its shard of the KV heads); the size is all ranks' together, as vLLM's
@@ -103,6 +105,7 @@ class Engine:
                 tier_slots=tier_slots,
                 tier_dir=cfg.kv_offloading_dir,
                 sampler=sampler,
+                kv_cache_dtype=cfg.kv_cache_dtype,
             )
         self.outputs = OutputProcessor(
             self.scheduler,
@@ -127,6 +130,7 @@ class Engine:
             num_tokens=num_blocks * cfg.block_size,
             num_blocks=num_blocks,
             gib=round(num_blocks * per_block / 2**30, 3),
+            dtype=str(kv_dtype).removeprefix("torch."),
             max_model_len=self.max_model_len,
             huge_pages=self.worker.kv_huge_pages,
             tier_blocks=tier_slots,

@@ -11,6 +11,8 @@ from atom_anyio.models.plan import ModelPlan
 from atom_anyio.settings import setting
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
+# vLLM's --kv-cache-dtype: auto (the model's dtype), or fp8 (fp8_e4m3, as vLLM's fp8) or fp8_e5m2, unscaled
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass(frozen=True)
@@ -21,6 +23,11 @@ class EngineConfig:
     max_num_batched_tokens: int = setting(2048, "tokens per step, decodes and prefill chunks together")
     kv_cache_gib: float = setting(
         2.0, "memory budget of the KV pool on the CPU, capped at what max_num_seqs x max_model_len can use"
+    )
+    kv_cache_dtype: str = setting(
+        "auto",
+        "vLLM's --kv-cache-dtype: auto (the model's dtype), fp8 or fp8_e4m3, or fp8_e5m2: one byte a value, twice the "
+        "tokens in the same pool and half the bytes a long decode reads (docs/engine.md)",
     )
     gpu_memory_utilization: float = setting(
         0.9, "on a GPU: the share of its memory the engine may fill (weights, activations, then the KV pool)"
@@ -107,6 +114,8 @@ class EngineConfig:
             raise ValueError(f"kv_offloading_size must be at least 0, not {self.kv_offloading_size}")
         if self.kv_offloading_dir is not None and not os.path.isdir(self.kv_offloading_dir):
             raise ValueError(f"kv_offloading_dir {self.kv_offloading_dir!r} is not a directory")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {self.kv_cache_dtype!r}")
         if self.kv_cache_gib <= 0:
             raise ValueError(f"kv_cache_gib must be positive, not {self.kv_cache_gib}")
 

@@ -60,6 +60,7 @@ class RankSpec:
     store_port: int  # rank 0's rendezvous store
     tier_slots: int = 0  # blocks of the rank's own KV tier (its shard of each block): rank 0's count
     tier_dir: str | None = None
+    kv_cache_dtype: str = "auto"
 
     @property
     def size(self) -> int:
@@ -94,12 +95,23 @@ class TensorParallelWorker(Worker):
             tier_slots=tier_slots,
             tier_dir=tier_dir,
             sampler=sampler,
+            kv_cache_dtype=cfg.kv_cache_dtype,
         )
         # port 0: any free one; the ranks join the group only once they have loaded their shards
         self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
         plan, port = loaded.plan, self._store.port
         specs = [
-            RankSpec(plan, r, num_blocks, cfg.block_size, cfg.threads_per_rank, port, tier_slots, tier_dir)
+            RankSpec(
+                plan,
+                r,
+                num_blocks,
+                cfg.block_size,
+                cfg.threads_per_rank,
+                port,
+                tier_slots,
+                tier_dir,
+                cfg.kv_cache_dtype,
+            )
             for r in range(1, size)
         ]
         self.ranks = [Rank.start(spec) for spec in specs]
@@ -236,6 +248,7 @@ def main(fd: int, parent: int) -> int:
             spec.num_threads,
             tier_slots=spec.tier_slots,
             tier_dir=spec.tier_dir,
+            kv_cache_dtype=spec.kv_cache_dtype,
         )
     except Exception as exc:
         conn.send_bytes(pickle.dumps((f"{type(exc).__name__}: {exc}", None)))

@@ -28,6 +28,7 @@ from atom_anyio.engine.speculative import draft_positions, verify
 from atom_anyio.engine.step import PromptRows, StepInput, StepOutput
 from atom_anyio.engine.stream import Logprob
 from atom_anyio.models.attention import AttentionMetadata, stage
+from atom_anyio.models.attention.metadata import kv_cache_torch_dtype
 from atom_anyio.models.decoder import LlamaForCausalLM
 
 log = structlog.get_logger("atom_anyio.engine")
@@ -70,6 +71,7 @@ def activation_bytes(cfg: EngineConfig, model: LlamaForCausalLM) -> int:
 
 
 PROMPT_LOGITS_ROWS = 256
+FP8_KV_BACKENDS = ("cpu", "cpu_paged", "torch")  # the attention backends that read an fp8 KV cache
 
 
 class Worker:
@@ -83,19 +85,26 @@ class Worker:
         tier_slots: int = 0,  # blocks of the KV cache's second tier (kv_tier.py); 0: none
         tier_dir: str | None = None,  # where the CPU's tier file goes
         sampler: Sampler | None = None,  # default the real one (tests pass a fake)
+        kv_cache_dtype: str = "auto",  # EngineConfig.kv_cache_dtype
     ):
         self.model = model  # as loaded (its plan: models/plan.py); nothing here changes it
         param = next(model.parameters())
-        self.device, self.dtype = param.device, param.dtype
+        self.device, self.kv_dtype = param.device, kv_cache_torch_dtype(kv_cache_dtype, param.dtype)
+        backend = model.attention_backend.name
+        if self.kv_dtype != param.dtype and backend not in FP8_KV_BACKENDS:
+            raise ValueError(
+                f"kv_cache_dtype {kv_cache_dtype} runs on the {' and '.join(FP8_KV_BACKENDS)} attention backends, "
+                f"not on {backend}"
+            )
         cfg = model.config
         num_slots = (num_blocks + (decode_graphs is not None)) * block_size  # a spare block for padding rows
         shape = (cfg.num_hidden_layers, 2, num_slots, cfg.num_key_value_heads, cfg.head_dim)
         self.kv_huge_pages = False
         if self.device.type == "cpu":
-            self.kv_pool, self.kv_huge_pages = kernels.empty_on_huge_pages(shape, self.dtype)
+            self.kv_pool, self.kv_huge_pages = kernels.empty_on_huge_pages(shape, self.kv_dtype)
             self.kv_pool.zero_()  # its pages faulted in here, on the loading thread, not by the first steps
         else:
-            self.kv_pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.kv_pool = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_pool]
         self.tier = TierStore(tier_slots, self.kv_pool, block_size, tier_dir) if tier_slots else None
         self.block_size = block_size

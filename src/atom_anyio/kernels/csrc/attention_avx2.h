@@ -51,7 +51,7 @@ struct KeyRowScores {
   }
 };
 
-template <typename T>
-using Avx2 = FloatVariant<T, KeyRowScores>;
+template <typename T, typename C = T>
+using Avx2 = FloatVariant<T, C, KeyRowScores>;
 
 }  // namespace atom::attention

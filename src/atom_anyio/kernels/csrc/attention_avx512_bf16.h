@@ -105,6 +105,20 @@ inline void bf16_scores_from_pairs(const uint32_t* q, int P, const uint32_t* kp,
   for (int r = 0; r < NR; ++r) s[r] = _mm512_add_ps(s[r], s2[r]);
 }
 
+// The reduction tree of the scores from the keys as they lie: four keys' 16-lane sums folded into
+// one vector (fold_keys4), two of those (fold_keys8), two of those (fold_keys16, lane j: key j)
+inline __m512 fold_keys4(const __m512* a) {
+  const __m512 b0 = _mm512_add_ps(_mm512_shuffle_f32x4(a[0], a[1], 0x44), _mm512_shuffle_f32x4(a[0], a[1], 0xEE));
+  const __m512 b1 = _mm512_add_ps(_mm512_shuffle_f32x4(a[2], a[3], 0x44), _mm512_shuffle_f32x4(a[2], a[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(b0, b1, 0x88), _mm512_shuffle_f32x4(b0, b1, 0xDD));
+}
+inline __m512 fold_keys8(const __m512* c) {
+  return _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x44), _mm512_shuffle_ps(c[0], c[1], 0xEE));
+}
+inline __m512 fold_keys16(const __m512* d) {
+  return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
+}
+
 // The scores of a few rows straight from the keys as they lie (no staged transpose): each key's
 // products summed over its dims in 16 lanes, then the 16 keys' vectors folded into one by a
 // reduction tree (30 shuffles and 15 adds a row, against the 96 shuffles per 32 dims that staging
@@ -130,19 +144,11 @@ inline void bf16_scores_from_rows(const c10::BFloat16* q, int D, const c10::BFlo
             a[r][t] = _mm512_dpbf16_ps(a[r][t], (__m512bh)_mm512_maskz_loadu_epi16(dims, q + r * D + dim), kv);
         }
       }
-      for (int r = 0; r < NR; ++r) {
-        const __m512 b0 = _mm512_add_ps(_mm512_shuffle_f32x4(a[r][0], a[r][1], 0x44),
-                                        _mm512_shuffle_f32x4(a[r][0], a[r][1], 0xEE));
-        const __m512 b1 = _mm512_add_ps(_mm512_shuffle_f32x4(a[r][2], a[r][3], 0x44),
-                                        _mm512_shuffle_f32x4(a[r][2], a[r][3], 0xEE));
-        c[r][g] = _mm512_add_ps(_mm512_shuffle_f32x4(b0, b1, 0x88), _mm512_shuffle_f32x4(b0, b1, 0xDD));
-      }
+      for (int r = 0; r < NR; ++r) c[r][g] = fold_keys4(a[r]);
     }
-    for (int r = 0; r < NR; ++r)
-      d[r][h] = _mm512_add_ps(_mm512_shuffle_ps(c[r][0], c[r][1], 0x44), _mm512_shuffle_ps(c[r][0], c[r][1], 0xEE));
+    for (int r = 0; r < NR; ++r) d[r][h] = fold_keys8(c[r]);
   }
-  for (int r = 0; r < NR; ++r)
-    s[r] = _mm512_add_ps(_mm512_shuffle_ps(d[r][0], d[r][1], 0x88), _mm512_shuffle_ps(d[r][0], d[r][1], 0xDD));
+  for (int r = 0; r < NR; ++r) s[r] = fold_keys16(d[r]);
 }
 
 // rows at or under this many per kv head take their scores from the keys as they lie
@@ -150,11 +156,11 @@ constexpr int ROW_SCORES_MAX = 4;
 
 // The online softmax's step for NR rows over a chunk's n scores s (unscaled): each row's masked,
 // scaled scores, its running max m and sum l updated, its probabilities as bfloat16 into pb
-// (row r: pb[16 r .. 16 r + 15], zero past the visible keys) and the factor its output so far is
-// to be scaled by (1: unchanged).
+// (row r: pb[16 r .. 16 r + 15], zero past the visible keys; times p_scale, a power of two, while
+// l sums them unscaled) and the factor its output so far is to be scaled by (1: unchanged).
 template <int NR>
 inline void bf16_softmax(const __m512* s, int n, const int* qpos, int key0, int window, float scale, float* m,
-                         float* l, uint16_t* pb, float* alpha) {
+                         float* l, uint16_t* pb, float* alpha, float p_scale = 1.f) {
   for (int r = 0; r < NR; ++r) {
     alpha[r] = 1.f;
     const int visible = std::min(n, qpos[r] - key0 + 1);  // causal: keys up to the row's own position
@@ -170,7 +176,8 @@ inline void bf16_softmax(const __m512* s, int n, const int* qpos, int key0, int 
       continue;
     }
     const __m512 e = exp16(_mm512_sub_ps(sr, _mm512_set1_ps(mx)));
-    _mm256_store_si256(reinterpret_cast<__m256i*>(pb + r * 16), (__m256i)_mm512_cvtneps_pbh(e));
+    const __m512 pe = p_scale == 1.f ? e : _mm512_mul_ps(e, _mm512_set1_ps(p_scale));  // a power of two: exact
+    _mm256_store_si256(reinterpret_cast<__m256i*>(pb + r * 16), (__m256i)_mm512_cvtneps_pbh(pe));
     alpha[r] = m[r] == mx ? 1.f : m[r] == NEG_INF ? 0.f : std::exp(m[r] - mx);  // exp(0) without the call
     l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(e);
     m[r] = mx;
@@ -262,6 +269,202 @@ struct Avx512Bf16 : Chunked<Avx512Bf16, c10::BFloat16> {
 
   static void finish(Scratch& s, const Problem<T>& p, int num_rows, float* o) {
     unpermute_rows(o, num_rows, p.D, s.row.data());
+  }
+};
+
+// n rows of D fp8 elements (a row every ld) as bfloat16 rows of D (a row every D), exactly: e5m2
+// and e4m3fn widened to float16 bits (vec.h's fp8_half_bits), to float, to bfloat16 (their 2 and 3
+// mantissa bits fit its 7)
+template <typename C>
+inline void fp8_rows_to_bf16(const C* src, int64_t ld, int n, int D, c10::BFloat16* dst) {
+  for (int j = 0; j < n; ++j)
+    for (int d = 0; d < D; d += 16) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j * ld + d));
+      const __m128i lo = fp8_half_bits(_mm_cvtepu8_epi16(bytes), src);
+      const __m128i hi = fp8_half_bits(_mm_cvtepu8_epi16(_mm_srli_si128(bytes, 8)), src);
+      __m512 f = _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
+      if constexpr (std::is_same_v<C, c10::Float8_e4m3fn>) f = _mm512_mul_ps(f, _mm512_set1_ps(FP8_E4M3_UNIT));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j * D + d), (__m256i)_mm512_cvtneps_pbh(f));
+    }
+}
+
+// A decode's rows over an fp8 cache read the keys and values in registers, 64 bytes a row at a time:
+// each byte widened into the high half of a 16-bit word (one unpack against zero, which also
+// spreads a row's dims over two registers: per 128-bit lane, dims 0-7 of its 16 in the first and
+// 8-15 in the second, fp8_dims) and moved into bfloat16's fields by a shift and an and
+// (fp8_as_bf16): the value times 2^-FP8_BIAS<C> (bias 127 against 15 or 7). The queries and the
+// probabilities are scaled up by 2^64 so that no product of normal values falls below float's
+// normal range; the scores and the outputs are scaled back by FP8_UNDO<C> (all powers of two:
+// exact). The formats' subnormals (e5m2's below 2^-14, e4m3's below 2^-6) become bfloat16 denormals,
+// which vdpbf16ps reads as zero: the portable twin reads them exactly.
+template <typename C>
+constexpr int FP8_BIAS = std::is_same_v<C, c10::Float8_e5m2> ? 112 : 120;
+constexpr float FP8_UP = 18446744073709551616.f;  // 2^64
+template <typename C>
+constexpr float FP8_UNDO = std::is_same_v<C, c10::Float8_e5m2> ? 281474976710656.f : 72057594037927936.f;  // 2^48, 2^56
+static_assert(FP8_BIAS<c10::Float8_e5m2> - 64 == 48 && FP8_BIAS<c10::Float8_e4m3fn> - 64 == 56);
+
+// words holding an fp8 byte in their high half, as bfloat16 bits (see above)
+template <typename C>
+inline __m512i fp8_as_bf16(__m512i words) {
+  if constexpr (std::is_same_v<C, c10::Float8_e5m2>)  // s eeeee mm -> s 000 eeeee mm00000
+    return _mm512_and_si512(_mm512_srai_epi16(words, 3), _mm512_set1_epi16(int16_t(0x8FFF)));
+  else  // s eeee mmm -> s 0000 eeee mmm0000
+    return _mm512_and_si512(_mm512_srai_epi16(words, 4), _mm512_set1_epi16(int16_t(0x87FF)));
+}
+
+// where dim d of a 64-dim block lies once a row's bytes are widened (fp8_as_bf16 of unpacklo, then
+// of unpackhi, each 32 words): per 128-bit lane L, dims 16L..16L+7, then 16L+8..16L+15
+inline int fp8_key_slot(int d) { return d / 64 * 64 + (d % 16) / 8 * 32 + (d % 64) / 16 * 8 + d % 8; }
+
+// where the values' accumulators keep output dim d of a 64-dim block: two keys' bytes interleaved
+// and widened give four registers of pairs, register k lane L holding dims 16L + 4k .. 16L + 4k + 3
+inline int fp8_value_slot(int d) { return d / 64 * 64 + (d % 16) / 4 * 16 + (d % 64) / 16 * 4 + d % 4; }
+
+// scores of NR rows (q: bfloat16 in fp8_key_slot order, times 2^64) for the chunk's n keys, each
+// key's products summed in 16 lanes, then folded (fold_keys4..16), as bf16_scores_from_rows does
+template <int NR, typename C>
+inline void fp8_scores_from_rows(const c10::BFloat16* q, int D, const C* k, int64_t ldk, int n, __m512* s) {
+  const __m512i zero = _mm512_setzero_si512();
+  __m512 d[NR][2];
+  for (int h = 0; h < 2; ++h) {
+    __m512 c[NR][2];
+    for (int g = 0; g < 2; ++g) {
+      __m512 a[NR][4];
+      for (int r = 0; r < NR; ++r)
+        for (int t = 0; t < 4; ++t) a[r][t] = _mm512_setzero_ps();
+      for (int dim = 0; dim < D; dim += 64) {
+        __m512bh qlo[NR], qhi[NR];
+        for (int r = 0; r < NR; ++r) {
+          qlo[r] = (__m512bh)_mm512_loadu_si512(q + r * D + dim);
+          qhi[r] = (__m512bh)_mm512_loadu_si512(q + r * D + dim + 32);
+        }
+        for (int t = 0; t < 4; ++t) {
+          const int i = 8 * h + 4 * g + t, key = 4 * (i % 4) + i / 4;
+          if (key >= n) continue;  // a zero vector: its lane is masked afterwards
+          const __m512i x = _mm512_loadu_si512(k + key * ldk + dim);
+          const __m512bh lo = (__m512bh)fp8_as_bf16<C>(_mm512_unpacklo_epi8(zero, x));
+          const __m512bh hi = (__m512bh)fp8_as_bf16<C>(_mm512_unpackhi_epi8(zero, x));
+          for (int r = 0; r < NR; ++r) a[r][t] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(a[r][t], qlo[r], lo), qhi[r], hi);
+        }
+      }
+      for (int r = 0; r < NR; ++r) c[r][g] = fold_keys4(a[r]);
+    }
+    for (int r = 0; r < NR; ++r) d[r][h] = fold_keys8(c[r]);
+  }
+  for (int r = 0; r < NR; ++r) s[r] = fold_keys16(d[r]);
+}
+
+// o (fp8_value_slot order) += p . v for NR rows over the chunk's n values, two keys at a time:
+// pp row r, keys 2i and 2i + 1 at pp[r * 8 + i] (bfloat16, times 2^64)
+template <int NR, typename C>
+inline void fp8_values(const uint32_t* pp, const C* v, int64_t ldv, int n, int D, float* o) {
+  const __m512i zero = _mm512_setzero_si512();
+  for (int dim = 0; dim < D; dim += 64) {
+    __m512 acc[NR][4];
+    for (int r = 0; r < NR; ++r)
+      for (int k = 0; k < 4; ++k) acc[r][k] = _mm512_loadu_ps(o + r * D + dim + 16 * k);
+    for (int j = 0; j < n; j += 2) {
+      const __m512i a = _mm512_loadu_si512(v + j * ldv + dim);
+      const __m512i b = j + 1 < n ? _mm512_loadu_si512(v + (j + 1) * ldv + dim) : zero;
+      const __m512i lo = _mm512_unpacklo_epi8(a, b), hi = _mm512_unpackhi_epi8(a, b);
+      const __m512bh w[4] = {(__m512bh)fp8_as_bf16<C>(_mm512_unpacklo_epi8(zero, lo)),
+                             (__m512bh)fp8_as_bf16<C>(_mm512_unpackhi_epi8(zero, lo)),
+                             (__m512bh)fp8_as_bf16<C>(_mm512_unpacklo_epi8(zero, hi)),
+                             (__m512bh)fp8_as_bf16<C>(_mm512_unpackhi_epi8(zero, hi))};
+      for (int r = 0; r < NR; ++r) {
+        const __m512bh pr = (__m512bh)_mm512_set1_epi32(pp[r * 8 + j / 2]);
+        for (int k = 0; k < 4; ++k) acc[r][k] = _mm512_dpbf16_ps(acc[r][k], pr, w[k]);
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int k = 0; k < 4; ++k) _mm512_storeu_ps(o + r * D + dim + 16 * k, acc[r][k]);
+  }
+}
+
+template <int NR, typename C>
+inline void fp8_rows_chunk(const c10::BFloat16* q, int D, const C* k, const C* v, int64_t ld, int n, const int* qpos,
+                           int key0, int window, float scale, float* m, float* l, float* o) {
+  __m512 s[NR];
+  fp8_scores_from_rows<NR>(q, D, k, ld, n, s);
+  alignas(64) uint16_t pb[NR * 16];
+  float alpha[NR];
+  bf16_softmax<NR>(s, n, qpos, key0, window, scale * FP8_UNDO<C>, m, l, pb, alpha, FP8_UP);
+  for (int r = 0; r < NR; ++r)
+    if (alpha[r] != 1.f)
+      for (int d = 0; d < D; d += 16)
+        _mm512_storeu_ps(o + r * D + d, _mm512_mul_ps(_mm512_loadu_ps(o + r * D + d), _mm512_set1_ps(alpha[r])));
+  fp8_values<NR>(reinterpret_cast<const uint32_t*>(pb), v, ld, n, D, o);
+}
+
+template <typename C, int NR = ROW_SCORES_MAX>
+inline void fp8_rows_dispatch(int rows, const c10::BFloat16* q, int D, const C* k, const C* v, int64_t ld, int n,
+                              const int* qpos, int key0, int window, float scale, float* m, float* l, float* o) {
+  if constexpr (NR > 0) {
+    for (; rows >= NR; rows -= NR, q += NR * D, qpos += NR, m += NR, l += NR, o += NR * D)
+      fp8_rows_chunk<NR>(q, D, k, v, ld, n, qpos, key0, window, scale, m, l, o);
+    if (rows > 0) fp8_rows_dispatch<C, NR - 1>(rows, q, D, k, v, ld, n, qpos, key0, window, scale, m, l, o);
+  }
+}
+
+// The AVX512-BF16 variant over an fp8 cache (kv_cache_dtype). A decode's few rows a kv head read
+// the keys and values in registers (fp8_rows_chunk: half the bytes of a bfloat16 cache, which
+// a long decode is bound by); more rows (prefill) widen each chunk's keys and values of a kv head
+// to bfloat16 in L1, exactly, and take the bfloat16 variant's steps over them. head_dim a multiple
+// of 64 (fits).
+template <typename C>
+struct Avx512Bf16Fp8 : Chunked<Avx512Bf16Fp8<C>, c10::BFloat16, C> {
+  using T = c10::BFloat16;
+  using P = Problem<T, C>;
+  static constexpr bool SCORES_FROM_KEYS = true;
+
+  static bool fits(const P& p) { return p.D % 64 == 0; }
+
+  struct Scratch : ChunkedScratch {
+    std::vector<uint32_t> qpairs, kpairs;
+    std::vector<T> qrows;   // the rows in fp8_key_slot order, times 2^64 (the decode path)
+    std::vector<float> row;
+    std::vector<T> kb, vb;  // a chunk's keys and values of one kv head, as bfloat16 [KW][D] (the staged path)
+    bool in_registers = false;  // the unit's chunks took the decode path: its outputs are in fp8_value_slot order
+    Scratch(const P& p, int max_rows)
+        : ChunkedScratch(max_rows),
+          qpairs(max_rows * p.D / 2),
+          kpairs(p.D / 2 * 16),
+          qrows(max_rows * p.D),
+          row(p.D),
+          kb(KW * p.D),
+          vb(KW * p.D) {}
+  };
+
+  static void load_query(Scratch& s, const P& p, int r, const T* q) {
+    std::memcpy(&s.qpairs[r * p.D / 2], q, p.D * sizeof(T));
+    for (int d = 0; d < p.D; ++d) s.qrows[r * p.D + fp8_key_slot(d)] = T(float(q[d]) * FP8_UP);
+    s.in_registers = false;
+  }
+
+  static void stage_keys(Scratch& s, const P& p, const C* k, int n) {
+    fp8_rows_to_bf16(k, p.slot_stride, n, p.D, s.kb.data());
+    stage_key_pairs(s.kb.data(), p.D, n, p.D / 2, s.kpairs.data());
+  }
+
+  static void step(Scratch& s, const P& p, const Chunk<C>& c, int r0, int count, bool staged, Rows rows) {
+    if (!staged) {
+      s.in_registers = true;
+      fp8_rows_dispatch<C>(count, &s.qrows[r0 * p.D], p.D, c.k, c.v, p.slot_stride, c.n, &s.qpos[r0], c.key0,
+                           p.window, p.scale, rows.m + r0, rows.l + r0, rows.o + r0 * p.D);
+      return;
+    }
+    fp8_rows_to_bf16(c.v, p.slot_stride, c.n, p.D, s.vb.data());
+    bf16_rows_dispatch(count, &s.qpairs[r0 * p.D / 2], p.D / 2, s.kpairs.data(), s.kb.data(), p.D, s.vb.data(), p.D,
+                       c.n, &s.qpos[r0], c.key0, p.window, p.scale, rows.m + r0, rows.l + r0, rows.o + r0 * p.D);
+  }
+
+  static void finish(Scratch& s, const P& p, int num_rows, float* o) {
+    if (!s.in_registers) return unpermute_rows(o, num_rows, p.D, s.row.data());
+    for (int r = 0; r < num_rows; ++r) {
+      for (int d = 0; d < p.D; ++d) s.row[d] = o[r * p.D + fp8_value_slot(d)] * FP8_UNDO<C>;
+      std::memcpy(o + r * p.D, s.row.data(), p.D * sizeof(float));
+    }
   }
 };
 

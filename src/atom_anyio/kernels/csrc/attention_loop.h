@@ -28,10 +28,12 @@ namespace atom::attention {
 constexpr int KW = 16;              // keys per chunk (the vector variants); head_dim is a multiple of it
 constexpr int PREFETCH_CHUNKS = 4;  // how far ahead the vector variants fetch the next chunks into L2
 
-// One call: the step's tensors as pointers, and its shapes
-template <typename T>
+// One call: the step's tensors as pointers, and its shapes. T: q's and out's element type; C: the
+// caches' (T, or an fp8 type: kv_cache_dtype)
+template <typename T, typename C = T>
 struct Problem {
-  const T *q, *k, *v;  // q [tokens, H, D]; the caches [slots, KVH, D]
+  const T* q;          // [tokens, H, D]
+  const C *k, *v;      // the caches [slots, KVH, D]
   T* out;              // [tokens, H, D]
   const int *tables, *lens, *qstart;  // block tables [B][max_blocks], context lengths [B], query starts [B + 1]
   int H, KVH, G, D, B, max_blocks, BS;
@@ -64,8 +66,8 @@ struct Rows {
   float *m, *l, *o;
 };
 
-template <class V, typename T>
-void attention_loop(const Problem<T>& p) {
+template <class V, typename T, typename C>
+void attention_loop(const Problem<T, C>& p) {
   const int H = p.H, D = p.D, G = p.G, BS = p.BS, window = p.window;
   // A unit is a tile of one sequence's query tokens with all its heads, so a chunk of KV
   // (consecutive slots, every head) is read once, in one piece.
@@ -256,9 +258,9 @@ struct Ahead {
 
 // a kv head's keys [key0, key0 + n) of one chunk (n <= KW, within a block), k and v at its first
 // slot (a key's row every slot_stride)
-template <typename T>
+template <typename C>
 struct Chunk {
-  const T *k, *v;
+  const C *k, *v;
   int n, key0;
 };
 
@@ -272,8 +274,8 @@ struct Chunk {
 //   V::stage_keys(s, p, k, n)                 a kv head's n keys of the chunk, staged for the scores
 //   V::step(s, p, chunk, r0, count, staged, rows)  the online softmax of rows [r0, r0 + count)
 //   V::finish(s, p, num_rows, o)              the rows' outputs back in dim order
-template <class V, typename T>
-void attend_in_chunks(typename V::Scratch& s, const Problem<T>& p, const Unit& u, const Span& span, Rows rows) {
+template <class V, typename T, typename C>
+void attend_in_chunks(typename V::Scratch& s, const Problem<T, C>& p, const Unit& u, const Span& span, Rows rows) {
   const int H = p.H, G = p.G, D = p.D, KVH = p.KVH, BS = p.BS;
   const int nt = u.tokens(), num_rows = nt * H, group_rows = nt * G;
   const bool row_scores = p.partition == 0 && group_rows * 10 <= D;
@@ -292,14 +294,14 @@ void attend_in_chunks(typename V::Scratch& s, const Problem<T>& p, const Unit& u
     const int ahead = key0 + PREFETCH_CHUNKS * n;
     Ahead ak, av;
     if (ahead < span.hi) {
-      const int64_t bytes = std::min({KW, span.hi - ahead, BS - ahead % BS}) * p.slot_stride * int64_t(sizeof(T));
+      const int64_t bytes = std::min({KW, span.hi - ahead, BS - ahead % BS}) * p.slot_stride * int64_t(sizeof(C));
       ak = {reinterpret_cast<const char*>(p.k + slot_of(ahead) * p.slot_stride), bytes};
       av = {reinterpret_cast<const char*>(p.v + slot_of(ahead) * p.slot_stride), bytes};
     }
     const int64_t piece = (ak.left / (2 * KVH) + 63) / 64 * 64;  // a quarter of a head's share
     for (int h = 0; h < KVH; ++h) {
       ak.issue(piece);
-      const Chunk<T> chunk{p.k + slot * p.slot_stride + int64_t(h) * D, p.v + slot * p.slot_stride + int64_t(h) * D,
+      const Chunk<C> chunk{p.k + slot * p.slot_stride + int64_t(h) * D, p.v + slot * p.slot_stride + int64_t(h) * D,
                            n, key0};
       if (staged) V::stage_keys(s, p, chunk.k, n);
       ak.issue(h + 1 < KVH ? piece : ak.left);
@@ -312,12 +314,12 @@ void attend_in_chunks(typename V::Scratch& s, const Problem<T>& p, const Unit& u
 }
 
 // What a vector variant V shares: its units' shape, its keys' start, and attend_in_chunks
-template <class V, typename T>
+template <class V, typename T, typename C = T>
 struct Chunked {
   static int unit_tokens(int G) { return std::max(1, 36 / G); }  // about 36 rows per kv head
-  static int first_key(int lo, const Problem<T>&) { return lo; }
+  static int first_key(int lo, const Problem<T, C>&) { return lo; }
   template <class Scratch>
-  static void attend(Scratch& s, const Problem<T>& p, const Unit& u, const Span& span, Rows rows) {
+  static void attend(Scratch& s, const Problem<T, C>& p, const Unit& u, const Span& span, Rows rows) {
     attend_in_chunks<V>(s, p, u, span, rows);
   }
 };

@@ -156,31 +156,32 @@ inline void rows_dispatch(int rows, const float* q, int D, const float* kt, cons
   }
 }
 
-// The float variant for element type T: queries scaled as float, keys staged transposed (or, with
-// KeyScores::FROM_KEYS, read as they lie for a decode's rows), values read as float.
-template <typename T, class KeyScores>
-struct FloatVariant : Chunked<FloatVariant<T, KeyScores>, T> {
+// The float variant for element type T and cache type C (T, or fp8: read as float, exactly):
+// queries scaled as float, keys staged transposed (or, with KeyScores::FROM_KEYS, read as they lie
+// for a decode's rows), values read as float.
+template <typename T, typename C, class KeyScores>
+struct FloatVariant : Chunked<FloatVariant<T, C, KeyScores>, T, C> {
   static constexpr bool SCORES_FROM_KEYS = KeyScores::FROM_KEYS;
+  using P = Problem<T, C>;
 
   struct Scratch : ChunkedScratch {
     std::vector<float> qs, kt, vb;  // the rows scaled; a chunk's keys transposed; its values as float
-    Scratch(const Problem<T>& p, int max_rows)
-        : ChunkedScratch(max_rows), qs(max_rows * p.D), kt(p.D * KW), vb(KW * p.D) {}
+    Scratch(const P& p, int max_rows) : ChunkedScratch(max_rows), qs(max_rows * p.D), kt(p.D * KW), vb(KW * p.D) {}
   };
 
-  static void load_query(Scratch& s, const Problem<T>& p, int r, const T* q) {
+  static void load_query(Scratch& s, const P& p, int r, const T* q) {
     for (int d = 0; d < p.D; ++d) s.qs[r * p.D + d] = float(q[d]) * p.scale;
   }
 
-  static void stage_keys(Scratch& s, const Problem<T>& p, const T* k, int n) {
+  static void stage_keys(Scratch& s, const P& p, const C* k, int n) {
     attention::stage_keys(k, p.slot_stride, n, p.D, s.kt.data());
   }
 
-  static void step(Scratch& s, const Problem<T>& p, const Chunk<T>& c, int r0, int count, bool staged, Rows rows) {
+  static void step(Scratch& s, const P& p, const Chunk<C>& c, int r0, int count, bool staged, Rows rows) {
     const int D = p.D;
     const float* v;
     int64_t ldv;
-    if constexpr (std::is_same_v<T, float>) {
+    if constexpr (std::is_same_v<C, float>) {
       v = c.v;
       ldv = p.slot_stride;
     } else {
@@ -198,10 +199,10 @@ struct FloatVariant : Chunked<FloatVariant<T, KeyScores>, T> {
                                       rows.o + r0 * D);
   }
 
-  static void finish(Scratch&, const Problem<T>&, int, float*) {}  // the outputs are in dim order
+  static void finish(Scratch&, const P&, int, float*) {}  // the outputs are in dim order
 };
 
-template <typename T>
-using Portable = FloatVariant<T, StagedScores>;
+template <typename T, typename C = T>
+using Portable = FloatVariant<T, C, StagedScores>;
 
 }  // namespace atom::attention

@@ -340,13 +340,16 @@ class Decoder : public torch::CustomClassHolder {
       }
       rotary(qkvp, W, H_, qkvp + H_ * D_, W, KVH_, T, D_, c, sn);
       const at::Tensor &k_cache = k_caches[l], &v_cache = v_caches[l];
-      S *kc = k_cache.data_ptr<S>(), *vc = v_cache.data_ptr<S>(), *qp = q.data_ptr<S>();
+      char *kc = static_cast<char*>(k_cache.data_ptr()), *vc = static_cast<char*>(v_cache.data_ptr());
+      const auto cache = k_cache.scalar_type();
+      const int64_t cache_row = kv_row * k_cache.element_size();
+      S* qp = q.data_ptr<S>();
       at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
         for (int64_t t = begin; t < end; ++t) {
           const S* row = qkvp + t * W;
           std::memcpy(qp + t * H_ * D_, row, H_ * D_ * sizeof(S));
-          std::memcpy(kc + slots[t] * kv_row, row + H_ * D_, kv_row * sizeof(S));
-          std::memcpy(vc + slots[t] * kv_row, row + (H_ + KVH_) * D_, kv_row * sizeof(S));
+          atom::store_kv_row(kc + slots[t] * cache_row, cache, row + H_ * D_, kv_row);
+          atom::store_kv_row(vc + slots[t] * cache_row, cache, row + (H_ + KVH_) * D_, kv_row);
         }
       });
       atom::op::paged_attention(attn, q, k_cache, v_cache, block_tables, seq_lens, query_start, block_size, scale,
@@ -398,9 +401,12 @@ class Decoder : public torch::CustomClassHolder {
     TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(), "Decoder: one cache per layer");
     for (const auto* caches : {&k_caches, &v_caches})
       for (const at::Tensor& c : *caches)
-        TORCH_CHECK(c.scalar_type() == dtype_ && c.is_contiguous() && c.dim() == 3 && c.size(1) == KVH_ &&
-                        c.size(2) == D_ && c.size(0) == k_caches[0].size(0),
-                    "Decoder: caches must be contiguous ", dtype_, " [slots, kv_heads, head_dim]");
+        TORCH_CHECK((c.scalar_type() == dtype_ || c.scalar_type() == at::kFloat8_e5m2 ||
+                     c.scalar_type() == at::kFloat8_e4m3fn) &&
+                        c.scalar_type() == k_caches[0].scalar_type() && c.is_contiguous() && c.dim() == 3 &&
+                        c.size(1) == KVH_ && c.size(2) == D_ && c.size(0) == k_caches[0].size(0),
+                    "Decoder: caches must be contiguous [slots, kv_heads, head_dim] of one dtype: ", dtype_,
+                    ", float8_e5m2 or float8_e4m3fn");
   }
 
   template <typename S>

@@ -52,6 +52,12 @@ void qgemv_f32(float* out, const float* x, int64_t M, int64_t K, const uint8_t* 
                const float* bias);
 void dequantize_f32(float* out, const uint8_t* w, int64_t rows, int64_t K, int64_t type);  // rows of W, as the op
 
+// n values of src into a KV cache row of dtype `cache`: src's own (a copy), or fp8 (kv_cache_dtype:
+// float8_e5m2 or float8_e4m3fn), each saturated to the format's largest finite value and rounded to
+// nearest even as torch converts (the store_kv op's rows, and the fused decoder's)
+template <typename S>
+void store_kv_row(void* dst, at::ScalarType cache, const S* src, int64_t n);
+
 // gemm.cpp: the atom::tile_linear op (bfloat16 x [M, K], W packed as B tiles by ops.pack_tile_weight; amx: on
 // the AMX tiles where built and lent, else AVX512-BF16's pair products)
 void tile_linear_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,

@@ -304,30 +304,43 @@ void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const
 // k, v [T, kv_heads, head_dim] (each token's heads contiguous, any token stride: the qkv buffer's
 // views) into rows slots[t] of the caches [slots, kv_heads, head_dim]: what two index_copy_
 // calls do, in one call and a copy of a row each (SmolLM2's shape, bfloat16, on the Xeon: 1.8 against
-// 6.1 us a layer for 16 decodes, 79 against 319 us for a 2,048-token chunk)
+// 6.1 us a layer for 16 decodes, 79 against 319 us for a 2,048-token chunk). fp8 caches
+// (kv_cache_dtype) take float32 or bfloat16 rows, each value converted (store_kv_row).
 void store_kv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
               const at::Tensor& slot_mapping) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 3 &&
-                  k_cache.sizes() == v_cache.sizes(),
-              "store_kv: the caches must be contiguous [slots, kv_heads, head_dim] of one shape");
+                  k_cache.sizes() == v_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "store_kv: the caches must be contiguous [slots, kv_heads, head_dim] of one shape and dtype");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.dim() == 1,
               "store_kv: slot_mapping must be contiguous int64 [T]");
   const int64_t T = slot_mapping.size(0), S = k_cache.size(0), KVH = k_cache.size(1), D = k_cache.size(2);
+  const auto cache = k_cache.scalar_type(), type = k.scalar_type();
+  const bool fp8 = cache == at::kFloat8_e5m2 || cache == at::kFloat8_e4m3fn;
   for (const at::Tensor* t : {&k, &v})
     TORCH_CHECK(t->dim() == 3 && t->size(0) == T && t->size(1) == KVH && t->size(2) == D && t->stride(2) == 1 &&
-                    t->stride(1) == D && t->scalar_type() == k_cache.scalar_type() &&
-                    v_cache.scalar_type() == k_cache.scalar_type(),
-                "store_kv: k and v must be [T, kv_heads, head_dim] of the caches' dtype, each token's heads contiguous");
+                    t->stride(1) == D && t->scalar_type() == type,
+                "store_kv: k and v must be [T, kv_heads, head_dim] of one dtype, each token's heads contiguous");
+  TORCH_CHECK(type == cache || (fp8 && (type == at::kFloat || type == at::kBFloat16)),
+              "store_kv: k and v must be of the caches' dtype, or float32 or bfloat16 into fp8 caches, not ", type,
+              " into ", cache);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(slots[t] >= 0 && slots[t] < S, "store_kv: slot ", slots[t], " is out of the cache");
-  const int64_t elem = k_cache.element_size(), row = KVH * D * elem;
+  const int64_t elem = k.element_size(), cache_row = KVH * D * k_cache.element_size(), n = KVH * D;
   char *kc = static_cast<char*>(k_cache.data_ptr()), *vc = static_cast<char*>(v_cache.data_ptr());
   const char *kp = static_cast<const char*>(k.data_ptr()), *vp = static_cast<const char*>(v.data_ptr());
   const int64_t k_stride = k.stride(0) * elem, v_stride = v.stride(0) * elem;
-  at::parallel_for(0, T, 256, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, T, fp8 ? 16 : 256, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      std::memcpy(kc + slots[t] * row, kp + t * k_stride, row);
-      std::memcpy(vc + slots[t] * row, vp + t * v_stride, row);
+      if (type == at::kFloat) {
+        store_kv_row(kc + slots[t] * cache_row, cache, reinterpret_cast<const float*>(kp + t * k_stride), n);
+        store_kv_row(vc + slots[t] * cache_row, cache, reinterpret_cast<const float*>(vp + t * v_stride), n);
+      } else if (type == at::kBFloat16) {
+        store_kv_row(kc + slots[t] * cache_row, cache, reinterpret_cast<const c10::BFloat16*>(kp + t * k_stride), n);
+        store_kv_row(vc + slots[t] * cache_row, cache, reinterpret_cast<const c10::BFloat16*>(vp + t * v_stride), n);
+      } else {
+        std::memcpy(kc + slots[t] * cache_row, kp + t * k_stride, cache_row);
+        std::memcpy(vc + slots[t] * cache_row, vp + t * v_stride, cache_row);
+      }
     }
   });
 }
@@ -375,5 +388,23 @@ void rotary_bf16(c10::BFloat16* q, int64_t q_stride, int64_t q_heads, c10::BFloa
 void gemv_f32(float* out, const float* x, int64_t M, int64_t K, const float* w, int64_t N, const float* bias) {
   gemm::gemm(out, x, M, K, w, N, bias);
 }
+
+template <typename C, typename S>
+static void quantize_row(C* dst, const S* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_fp8<C>(float(src[i]));
+}
+
+template <typename S>
+void store_kv_row(void* dst, at::ScalarType cache, const S* src, int64_t n) {
+  if (cache == at::kFloat8_e5m2)
+    quantize_row(static_cast<c10::Float8_e5m2*>(dst), src, n);
+  else if (cache == at::kFloat8_e4m3fn)
+    quantize_row(static_cast<c10::Float8_e4m3fn*>(dst), src, n);
+  else
+    std::memcpy(dst, src, n * sizeof(S));
+}
+
+template void store_kv_row<float>(void*, at::ScalarType, const float*, int64_t);
+template void store_kv_row<c10::BFloat16>(void*, at::ScalarType, const c10::BFloat16*, int64_t);
 
 }  // namespace atom

@@ -12,7 +12,8 @@
 // attention_loop.h holds that loop, once; a variant attends a unit's rows
 // over a span of keys, one file each: portable (V8, any element type),
 // AVX2 (the portable one plus a decode's scores from the keys as they lie),
-// AVX512-BF16 (bfloat16 pair dot products) and AMX (the tiles). This file
+// AVX512-BF16 (bfloat16 pair dot products; over an fp8 cache, each chunk widened to bfloat16 in
+// L1) and AMX (the tiles; bfloat16 caches only). This file
 // checks the op's arguments and picks the variant, once a call.
 
 #include <ATen/core/Tensor.h>
@@ -37,22 +38,26 @@ using namespace atom::attention;
 
 // The variant for a call, picked once, outside the loop: bfloat16 takes the AMX tiles where the
 // build has them, the OS lends them, `amx` is on and the shape fits, else AVX512-BF16 where
-// built; with `native` off (the portable twins), or another element type, the portable code
-// runs (with AVX2's decode scores where built).
-template <typename T>
-void run_variant(const Problem<T>& p, bool native, bool amx) {
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+// built (over an fp8 cache: its chunks widened to bfloat16 first); with `native` off (the portable
+// twins), or another element type, the portable code runs (with AVX2's decode scores where built).
+template <typename T, typename C>
+void run_variant(const Problem<T, C>& p, bool native, bool amx) {
+  if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, T>) {
 #ifdef ATOM_AMX_BF16
     if (native && amx && Amx::fits(p)) return attention_loop<Amx>(p);
 #endif
 #ifdef ATOM_AVX512_BF16
     if (native) return attention_loop<Avx512Bf16>(p);
 #endif
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+#ifdef ATOM_AVX512_BF16
+    if (native && Avx512Bf16Fp8<C>::fits(p)) return attention_loop<Avx512Bf16Fp8<C>>(p);
+#endif
   }
 #if defined(__AVX2__) && defined(__FMA__)
-  attention_loop<Avx2<T>>(p);
+  attention_loop<Avx2<T, C>>(p);
 #else
-  attention_loop<Portable<T>>(p);
+  attention_loop<Portable<T, C>>(p);
 #endif
 }
 
@@ -62,8 +67,30 @@ struct PagedAttention {
                   const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start,
                   int64_t block_size, double scale, int64_t sliding_window, const float* sinks, int64_t partition,
                   bool native, bool amx) {
-    Problem<T> p;
-    p.q = q.data_ptr<T>(), p.k = k_cache.data_ptr<T>(), p.v = v_cache.data_ptr<T>(), p.out = out.data_ptr<T>();
+    const auto cache = k_cache.scalar_type();
+    if (cache == q.scalar_type())
+      return run_with<T>(out, q, k_cache, v_cache, block_tables, seq_lens, query_start, block_size, scale,
+                         sliding_window, sinks, partition, native, amx);
+    if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
+      if (cache == at::kFloat8_e5m2)
+        return run_with<c10::Float8_e5m2>(out, q, k_cache, v_cache, block_tables, seq_lens, query_start, block_size,
+                                          scale, sliding_window, sinks, partition, native, amx);
+      if (cache == at::kFloat8_e4m3fn)
+        return run_with<c10::Float8_e4m3fn>(out, q, k_cache, v_cache, block_tables, seq_lens, query_start,
+                                            block_size, scale, sliding_window, sinks, partition, native, amx);
+    }
+    TORCH_CHECK(false, "paged_attention: the caches must be q's dtype, or float8_e5m2 or float8_e4m3fn under float32 "
+                "or bfloat16 queries, not ", cache, " under ", q.scalar_type());
+  }
+
+  template <typename C>
+  static void run_with(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start,
+                       int64_t block_size, double scale, int64_t sliding_window, const float* sinks,
+                       int64_t partition, bool native, bool amx) {
+    Problem<T, C> p;
+    p.q = q.data_ptr<T>(), p.out = out.data_ptr<T>();
+    p.k = static_cast<const C*>(k_cache.data_ptr()), p.v = static_cast<const C*>(v_cache.data_ptr());
     p.tables = block_tables.data_ptr<int>(), p.lens = seq_lens.data_ptr<int>();
     p.qstart = query_start.data_ptr<int>();
     p.H = q.size(1), p.KVH = k_cache.size(1), p.G = p.H / p.KVH, p.D = q.size(2);
@@ -82,7 +109,8 @@ struct PagedAttention {
 // one logit per head that joins the softmax denominator only. partition > 0:
 // the keys are split at its multiples whatever the batch, so each row's
 // result is the same bits alone, batched, or in any prefill chunk. native, amx: which variant runs
-// (run_variant).
+// (run_variant). The caches are q's dtype, or fp8 (kv_cache_dtype: float8_e5m2 or float8_e4m3fn,
+// unscaled) under float32 or bfloat16 queries.
 void atom::op::paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                                const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                                const at::Tensor& query_start, int64_t block_size, double scale,
@@ -91,6 +119,8 @@ void atom::op::paged_attention(at::Tensor& out, const at::Tensor& q, const at::T
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "paged_attention: q, out and the caches must be contiguous");
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "paged_attention: heads must be a multiple of kv heads");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() && v_cache.sizes() == k_cache.sizes(),
+              "paged_attention: the caches must be of one dtype and shape");
   TORCH_CHECK(q.size(2) % KW == 0, "paged_attention: head_dim must be a multiple of 16");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                   query_start.scalar_type() == at::kInt,

@@ -5,6 +5,8 @@
 #include <c10/core/ScalarType.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
@@ -105,6 +107,25 @@ template <>
 inline V8 load_as_float(const c10::Half* p) {
   return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
 }
+// The fp8 KV cache's elements (kv_cache_dtype) as float16 bits, exactly: e5m2 is float16's top
+// byte; e4m3fn's exponent and mantissa placed in float16's (bias 15 against 7) give its value / 256
+// (subnormals too: both formats' subnormals scale alike), FP8_E4M3_UNIT is the 256.
+constexpr float FP8_E4M3_UNIT = 256.f;
+inline __m128i fp8_half_bits(__m128i words, const c10::Float8_e5m2*) { return _mm_slli_epi16(words, 8); }
+inline __m128i fp8_half_bits(__m128i words, const c10::Float8_e4m3fn*) {
+  return _mm_or_si128(_mm_slli_epi16(_mm_and_si128(words, _mm_set1_epi16(0x80)), 8),
+                      _mm_slli_epi16(_mm_and_si128(words, _mm_set1_epi16(0x7F)), 7));
+}
+template <>
+inline V8 load_as_float(const c10::Float8_e5m2* p) {
+  const __m128i words = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return {_mm256_cvtph_ps(fp8_half_bits(words, p))};
+}
+template <>
+inline V8 load_as_float(const c10::Float8_e4m3fn* p) {
+  const __m128i words = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return {_mm256_mul_ps(_mm256_cvtph_ps(fp8_half_bits(words, p)), _mm256_set1_ps(FP8_E4M3_UNIT))};
+}
 // dst[d][j] = src row j, column d (8 rows of 8 from src, stride ld) as float
 template <typename T>
 inline void transpose8(const T* src, int64_t ld, int n, float* dst, int ldd) {
@@ -203,6 +224,18 @@ inline void store_as(T* p, V8 a) {
   for (int i = 0; i < 8; ++i) p[i] = T(a.v[i]);
 }
 #endif
+
+// the fp8 KV cache's element types (kv_cache_dtype fp8_e5m2, fp8_e4m3)
+template <typename C>
+constexpr bool is_fp8 = std::is_same_v<C, c10::Float8_e5m2> || std::is_same_v<C, c10::Float8_e4m3fn>;
+
+// x as the fp8 type C: saturated to C's largest finite value (as vLLM's caches write; torch's own
+// conversion gives an infinity or NaN past it), then rounded to nearest even by torch's conversion
+template <typename C>
+inline C to_fp8(float x) {
+  constexpr float top = std::is_same_v<C, c10::Float8_e5m2> ? 57344.f : 448.f;
+  return C(std::min(std::max(x, -top), top));
+}
 
 // F<T>::run(args...) for the kernels' element types: float, bfloat16, float16
 template <template <typename> class F, typename... Args>

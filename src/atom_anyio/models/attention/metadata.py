@@ -17,6 +17,44 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+# kv_cache_dtype's fp8 formats (engine_config.KV_CACHE_DTYPES; "fp8" is e4m3, as vLLM's), unscaled as
+# vLLM's are without a checkpoint's scales
+FP8_KV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def kv_cache_torch_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV pool's dtype for ``kv_cache_dtype`` ``name``: an fp8 format, or the model's (auto)."""
+    return FP8_KV_DTYPES.get(name, model_dtype)
+
+
+def to_kv_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as the cache's ``dtype``: fp8 saturated to its largest finite value, then rounded to
+    nearest even by torch's conversion (as the kernels' ``store_kv`` writes)."""
+    if x.dtype == dtype:
+        return x
+    top = torch.finfo(dtype).max
+    return x.clamp(-top, top).to(dtype)
+
+
+def write_slots(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """``rows`` into ``cache[slots]`` as the cache's dtype (``index_copy_``, which takes an fp8 cache
+    through its bytes: torch has no fp8 index_copy_ on the CPU)."""
+    rows = to_kv_cache(rows, cache.dtype)
+    if cache.dtype != rows.dtype or cache.element_size() == 1:
+        cache, rows = cache.view(torch.uint8), rows.contiguous().view(torch.uint8)
+    cache.index_copy_(0, slots, rows)
+
+
+def from_kv_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Keys or values read from the cache, as the queries' ``dtype`` (fp8 widens exactly)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
+def as_cached(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """A step's own keys or values as the cache holds them (an fp8 cache rounds them), so a fresh
+    prompt attends to what a later hit on its prefix reads."""
+    return from_kv_cache(to_kv_cache(x, cache_dtype), x.dtype)
+
 
 @dataclass
 class AttentionMetadata:
@@ -87,8 +125,8 @@ class AttentionMetadata:
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         """The step's new keys and values into their slots of the paged cache (every backend's first step)."""
-        k_cache.index_copy_(0, self.slot_mapping, k)
-        v_cache.index_copy_(0, self.slot_mapping, v)
+        write_slots(k_cache, self.slot_mapping, k)
+        write_slots(v_cache, self.slot_mapping, v)
 
     @property
     def num_seqs(self) -> int:
@@ -164,9 +202,9 @@ class PrefillChunk:
         """This chunk's attention output ``[Lq, H, D]`` through ``scaled_dot_product_attention``."""
         rows = slice(self.begin, self.end)
         if self.slots is None:
-            keys, values = k[rows], v[rows]
+            keys, values = as_cached(k[rows], k_cache.dtype), as_cached(v[rows], v_cache.dtype)
         else:
-            keys, values = k_cache.index_select(0, self.slots), v_cache.index_select(0, self.slots)
+            keys, values = (from_kv_cache(c.index_select(0, self.slots), q.dtype) for c in (k_cache, v_cache))
         qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (q[rows], keys, values))
         mask = self.mask(window)
         return attend(qs, ks, vs, mask, sinks, is_causal=mask is None).squeeze(0).transpose(0, 1)

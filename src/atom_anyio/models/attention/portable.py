@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from atom_anyio.models.attention.metadata import AttentionMetadata, attend
+from atom_anyio.models.attention.metadata import AttentionMetadata, as_cached, attend, from_kv_cache
 from atom_anyio.models.ops import TorchOps
 
 __all__ = ["TorchPagedAttention", "attend", "gather"]
@@ -31,21 +31,22 @@ class TorchPagedAttention:
         out = torch.empty_like(q)
         if nd:
             qd = q[:nd].unsqueeze(2)  # [Bd, H, 1, D]
-            kd = gather(k_cache, plan.decode_kv_index).transpose(1, 2)  # [Bd, KVH, Ld, D]
-            vd = gather(v_cache, plan.decode_kv_index).transpose(1, 2)
+            kd = from_kv_cache(gather(k_cache, plan.decode_kv_index), q.dtype).transpose(1, 2)  # [Bd, KVH, Ld, D]
+            vd = from_kv_cache(gather(v_cache, plan.decode_kv_index), q.dtype).transpose(1, 2)
             out[:nd] = attend(qd, kd, vd, plan.decode_mask, sinks).squeeze(2)
         if plan.num_prefill_seqs == 0:
             return out
         if plan.prefill_fresh:
-            qp, kp, vp = (x[nd:].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+            kp, vp = as_cached(k[nd:], k_cache.dtype), as_cached(v[nd:], v_cache.dtype)
+            qp, kp, vp = (x.transpose(0, 1).unsqueeze(0) for x in (q[nd:], kp, vp))
             out[nd:] = attend(qp, kp, vp, None, sinks, is_causal=True).squeeze(0).transpose(0, 1)
             return out
         bp, lq, h, d = plan.num_prefill_seqs, meta.max_query_len, q.shape[1], q.shape[2]
         qpad = q.new_zeros(bp * lq, h, d)
         qpad[plan.prefill_pad_index] = q[nd:]
         qp = qpad.view(bp, lq, h, d).transpose(1, 2)
-        kp = gather(k_cache, plan.prefill_kv_index).transpose(1, 2)
-        vp = gather(v_cache, plan.prefill_kv_index).transpose(1, 2)
+        kp = from_kv_cache(gather(k_cache, plan.prefill_kv_index), q.dtype).transpose(1, 2)
+        vp = from_kv_cache(gather(v_cache, plan.prefill_kv_index), q.dtype).transpose(1, 2)
         op = attend(qp, kp, vp, plan.prefill_mask, sinks)
         out[nd:] = op.transpose(1, 2).reshape(bp * lq, h, d)[plan.prefill_pad_index]
         return out
