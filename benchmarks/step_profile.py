@@ -26,7 +26,9 @@ from agentic import write_tiny_model
 from machine import machine
 from torch.profiler import ProfilerActivity, profile
 
+from atom_anyio import kernels
 from atom_anyio.models.attention import AttentionMetadata
+from atom_anyio.models.attention.metadata import kv_cache_torch_dtype, to_kv_cache
 from atom_anyio.models.loader import load_model
 
 # the portable path gathers each context with index_select: that is attention too
@@ -39,15 +41,22 @@ ATTENTION_OPS = {
 GEMM_OPS = {"aten::mm", "aten::addmm", "aten::linear", "aten::matmul"}
 
 
-def decode_step(model, batch: int, context: int, block_size: int = 16):
-    """A decode step of ``batch`` sequences at ``context`` tokens over a paged cache (blocks scattered)."""
+def decode_step(model, batch: int, context: int, block_size: int = 16, kv_cache_dtype: str = "auto"):
+    """A decode step of ``batch`` sequences at ``context`` tokens over a paged cache (blocks scattered),
+    the cache in ``kv_cache_dtype`` (EngineConfig's)."""
     cfg = model.config
     per_seq = -(-(context + 1) // block_size)
     order = torch.randperm(batch * per_seq, generator=torch.Generator().manual_seed(0)).tolist()
     tables = [order[i * per_seq : (i + 1) * per_seq] for i in range(batch)]
     shape = (batch * per_seq * block_size, cfg.num_key_value_heads, cfg.head_dim)
-    dtype = next(model.parameters()).dtype
-    kv = [(torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)) for _ in range(cfg.num_hidden_layers)]
+    dtype = kv_cache_torch_dtype(kv_cache_dtype, next(model.parameters()).dtype)
+    # on huge pages where the OS lends them, as the engine's pool: on 4 KiB pages a scattered block's
+    # first read is a TLB miss, and the step's time swung by a third from one allocation to the next
+    pool, _ = kernels.empty_on_huge_pages((cfg.num_hidden_layers, 2, *shape), dtype)
+    for layer in pool:
+        for part in layer:
+            part.copy_(to_kv_cache(torch.randn(shape), dtype))
+    kv = [(layer[0], layer[1]) for layer in pool]
     ids = torch.randint(0, cfg.vocab_size, (batch,))
     positions = torch.full((batch,), context)
 
@@ -57,7 +66,7 @@ def decode_step(model, batch: int, context: int, block_size: int = 16):
         return model.compute_logits(model(ids, positions, meta, kv))
 
     kv_bytes = batch * (context + 1) * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
-    return step, kv_bytes * torch.finfo(dtype).bits // 8
+    return step, kv_bytes * dtype.itemsize
 
 
 def timed(step, repeats: int) -> float:
@@ -99,19 +108,31 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--dtype", default="auto", help="auto keeps a GGUF's blocks quantized; float32 dequantizes")
+    ap.add_argument(
+        "--kv-cache-dtypes",
+        nargs="+",
+        default=["auto"],
+        help="each KV cache dtype (kv_cache_dtype) the fused cpu rows also run over, e.g. auto fp8 fp8_e5m2",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model or str(write_tiny_model(Path(tmp)))
         loaded = {name: load_model(path, dtype=args.dtype, attention_backend=name).model for name in ("torch", "cpu")}
     # label -> (model, use_fused): the cpu backend's steps run fused (models/fused.py) where the model allows
-    models = {"torch": (loaded["torch"], False), "cpu": (loaded["cpu"], True), "cpu op by op": (loaded["cpu"], False)}
+    # label -> (model, use_fused, kv_cache_dtype)
+    models = {
+        "torch": (loaded["torch"], False, "auto"),
+        "cpu": (loaded["cpu"], True, "auto"),
+        "cpu op by op": (loaded["cpu"], False, "auto"),
+    }
+    models |= {f"cpu kv {kv}": (loaded["cpu"], True, kv) for kv in args.kv_cache_dtypes if kv != "auto"}
     bandwidth = read_bandwidth()
     rows = []
     for context in args.contexts:
-        for name, (model, use_fused) in models.items():
+        for name, (model, use_fused, kv_cache_dtype) in models.items():
             model.use_fused = use_fused
-            step, kv_bytes = decode_step(model, args.batch, context)
+            step, kv_bytes = decode_step(model, args.batch, context, kv_cache_dtype=kv_cache_dtype)
             seconds = timed(step, args.repeats)
             parts = breakdown(step)
             rows.append(
@@ -148,9 +169,24 @@ def main() -> None:
         for c in args.contexts
     }
     print(f"fused decoder speed-up over op by op, by context: {result_fused}")
+    kv_speedups = {
+        kv: {
+            str(c): round(
+                next(r["step_ms"] for r in rows if r["context"] == c and r["backend"] == "cpu")
+                / next(r["step_ms"] for r in rows if r["context"] == c and r["backend"] == f"cpu kv {kv}"),
+                3,
+            )
+            for c in args.contexts
+        }
+        for kv in args.kv_cache_dtypes
+        if kv != "auto"
+    }
+    if kv_speedups:
+        print(f"decode step (TPOT) speed-up of each KV cache dtype over the model's, by context: {kv_speedups}")
     result = {"bench": "step_profile", "batch": args.batch, "threads": args.threads, "read_bandwidth_gb_s": bandwidth}
     result["machine"] = m
     result["fused_speedup_vs_op_by_op"] = result_fused
+    result["kv_cache_dtype_speedup"] = kv_speedups
     result |= {"rows": [{k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()} for r in rows]}
     print(json.dumps(result | {"cpu_speedup_vs_torch": speedups}))
 

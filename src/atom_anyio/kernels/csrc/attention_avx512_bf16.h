@@ -154,21 +154,28 @@ inline void bf16_scores_from_rows(const c10::BFloat16* q, int D, const c10::BFlo
 // rows at or under this many per kv head take their scores from the keys as they lie
 constexpr int ROW_SCORES_MAX = 4;
 
+// the lanes of a chunk's n keys from key0 that a row at position qpos sees: causal, and within the
+// sliding window (window > 0)
+inline __mmask16 visible_keys(int n, int qpos, int key0, int window) {
+  const int visible = std::min(n, qpos - key0 + 1);  // causal: keys up to the row's own position
+  __mmask16 keep = visible <= 0 ? 0 : visible >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << visible) - 1);
+  if (window > 0) {  // sliding window: keys after the row's position - window
+    const int first = qpos - window + 1 - key0;
+    if (first > 0) keep &= first >= 16 ? 0 : __mmask16(~((1u << first) - 1));
+  }
+  return keep;
+}
+
 // The online softmax's step for NR rows over a chunk's n scores s (unscaled): each row's masked,
 // scaled scores, its running max m and sum l updated, its probabilities as bfloat16 into pb
-// (row r: pb[16 r .. 16 r + 15], zero past the visible keys; times p_scale, a power of two, while
-// l sums them unscaled) and the factor its output so far is to be scaled by (1: unchanged).
+// (row r: pb[16 r .. 16 r + 15], zero past the visible keys) and the factor its output so far is
+// to be scaled by (1: unchanged).
 template <int NR>
 inline void bf16_softmax(const __m512* s, int n, const int* qpos, int key0, int window, float scale, float* m,
-                         float* l, uint16_t* pb, float* alpha, float p_scale = 1.f) {
+                         float* l, uint16_t* pb, float* alpha) {
   for (int r = 0; r < NR; ++r) {
     alpha[r] = 1.f;
-    const int visible = std::min(n, qpos[r] - key0 + 1);  // causal: keys up to the row's own position
-    __mmask16 keep = visible <= 0 ? 0 : visible >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << visible) - 1);
-    if (window > 0) {  // sliding window: keys after the row's position - window
-      const int first = qpos[r] - window + 1 - key0;
-      if (first > 0) keep &= first >= 16 ? 0 : __mmask16(~((1u << first) - 1));
-    }
+    const __mmask16 keep = visible_keys(n, qpos[r], key0, window);
     const __m512 sr = _mm512_mask_mul_ps(_mm512_set1_ps(NEG_INF), keep, s[r], _mm512_set1_ps(scale));
     const float mx = std::max(m[r], _mm512_reduce_max_ps(sr));
     if (mx == NEG_INF) {  // nothing visible yet for this row
@@ -176,8 +183,7 @@ inline void bf16_softmax(const __m512* s, int n, const int* qpos, int key0, int 
       continue;
     }
     const __m512 e = exp16(_mm512_sub_ps(sr, _mm512_set1_ps(mx)));
-    const __m512 pe = p_scale == 1.f ? e : _mm512_mul_ps(e, _mm512_set1_ps(p_scale));  // a power of two: exact
-    _mm256_store_si256(reinterpret_cast<__m256i*>(pb + r * 16), (__m256i)_mm512_cvtneps_pbh(pe));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(pb + r * 16), (__m256i)_mm512_cvtneps_pbh(e));
     alpha[r] = m[r] == mx ? 1.f : m[r] == NEG_INF ? 0.f : std::exp(m[r] - mx);  // exp(0) without the call
     l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(e);
     m[r] = mx;
@@ -291,7 +297,7 @@ inline void fp8_rows_to_bf16(const C* src, int64_t ld, int n, int D, c10::BFloat
 // A decode's rows over an fp8 cache read the keys and values in registers, 64 bytes a row at a time:
 // each byte widened into the high half of a 16-bit word (one unpack against zero, which also
 // spreads a row's dims over two registers: per 128-bit lane, dims 0-7 of its 16 in the first and
-// 8-15 in the second, fp8_dims) and moved into bfloat16's fields by a shift and an and
+// 8-15 in the second, fp8_key_slot) and moved into bfloat16's fields by a shift and an and
 // (fp8_as_bf16): the value times 2^-FP8_BIAS<C> (bias 127 against 15 or 7). The queries and the
 // probabilities are scaled up by 2^64 so that no product of normal values falls below float's
 // normal range; the scores and the outputs are scaled back by FP8_UNDO<C> (all powers of two:
@@ -322,37 +328,41 @@ inline int fp8_key_slot(int d) { return d / 64 * 64 + (d % 16) / 8 * 32 + (d % 6
 inline int fp8_value_slot(int d) { return d / 64 * 64 + (d % 16) / 4 * 16 + (d % 64) / 16 * 4 + d % 4; }
 
 // scores of NR rows (q: bfloat16 in fp8_key_slot order, times 2^64) for the chunk's n keys, each
-// key's products summed in 16 lanes, then folded (fold_keys4..16), as bf16_scores_from_rows does
+// key's products summed in 16 lanes, then folded: keys grp, grp + 4, grp + 8, grp + 12 into one
+// vector (fold_keys4), then those four (fold_keys8, fold_keys16; lane j: key j), as
+// bf16_scores_from_rows folds; every loop unrolled, so the sums stay in registers
 template <int NR, typename C>
 inline void fp8_scores_from_rows(const c10::BFloat16* q, int D, const C* k, int64_t ldk, int n, __m512* s) {
-  const __m512i zero = _mm512_setzero_si512();
-  __m512 d[NR][2];
-  for (int h = 0; h < 2; ++h) {
-    __m512 c[NR][2];
-    for (int g = 0; g < 2; ++g) {
-      __m512 a[NR][4];
-      for (int r = 0; r < NR; ++r)
-        for (int t = 0; t < 4; ++t) a[r][t] = _mm512_setzero_ps();
+  __m512 c[NR][4];
+#pragma GCC unroll 4
+  for (int grp = 0; grp < 4; ++grp) {
+    __m512 a[NR][4];
+#pragma GCC unroll 4
+    for (int t = 0; t < 4; ++t) {
+#pragma GCC unroll 4
+      for (int r = 0; r < NR; ++r) a[r][t] = _mm512_setzero_ps();
+      const int key = 4 * t + grp;
+      if (key >= n) continue;  // a zero vector: its lane is masked afterwards
       for (int dim = 0; dim < D; dim += 64) {
-        __m512bh qlo[NR], qhi[NR];
+        const __m512i x = _mm512_loadu_si512(k + key * ldk + dim);
+        const __m512bh lo = (__m512bh)fp8_as_bf16<C>(_mm512_unpacklo_epi8(_mm512_setzero_si512(), x));
+        const __m512bh hi = (__m512bh)fp8_as_bf16<C>(_mm512_unpackhi_epi8(_mm512_setzero_si512(), x));
+#pragma GCC unroll 4
         for (int r = 0; r < NR; ++r) {
-          qlo[r] = (__m512bh)_mm512_loadu_si512(q + r * D + dim);
-          qhi[r] = (__m512bh)_mm512_loadu_si512(q + r * D + dim + 32);
-        }
-        for (int t = 0; t < 4; ++t) {
-          const int i = 8 * h + 4 * g + t, key = 4 * (i % 4) + i / 4;
-          if (key >= n) continue;  // a zero vector: its lane is masked afterwards
-          const __m512i x = _mm512_loadu_si512(k + key * ldk + dim);
-          const __m512bh lo = (__m512bh)fp8_as_bf16<C>(_mm512_unpacklo_epi8(zero, x));
-          const __m512bh hi = (__m512bh)fp8_as_bf16<C>(_mm512_unpackhi_epi8(zero, x));
-          for (int r = 0; r < NR; ++r) a[r][t] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(a[r][t], qlo[r], lo), qhi[r], hi);
+          const __m512bh qlo = (__m512bh)_mm512_loadu_si512(q + r * D + dim);
+          const __m512bh qhi = (__m512bh)_mm512_loadu_si512(q + r * D + dim + 32);
+          a[r][t] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(a[r][t], qlo, lo), qhi, hi);
         }
       }
-      for (int r = 0; r < NR; ++r) c[r][g] = fold_keys4(a[r]);
     }
-    for (int r = 0; r < NR; ++r) d[r][h] = fold_keys8(c[r]);
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; ++r) c[r][grp] = fold_keys4(a[r]);
   }
-  for (int r = 0; r < NR; ++r) s[r] = fold_keys16(d[r]);
+#pragma GCC unroll 4
+  for (int r = 0; r < NR; ++r) {
+    const __m512 d[2] = {fold_keys8(&c[r][0]), fold_keys8(&c[r][2])};
+    s[r] = fold_keys16(d);
+  }
 }
 
 // o (fp8_value_slot order) += p . v for NR rows over the chunk's n values, two keys at a time:
@@ -362,7 +372,9 @@ inline void fp8_values(const uint32_t* pp, const C* v, int64_t ldv, int n, int D
   const __m512i zero = _mm512_setzero_si512();
   for (int dim = 0; dim < D; dim += 64) {
     __m512 acc[NR][4];
+#pragma GCC unroll 4
     for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 4
       for (int k = 0; k < 4; ++k) acc[r][k] = _mm512_loadu_ps(o + r * D + dim + 16 * k);
     for (int j = 0; j < n; j += 2) {
       const __m512i a = _mm512_loadu_si512(v + j * ldv + dim);
@@ -372,74 +384,62 @@ inline void fp8_values(const uint32_t* pp, const C* v, int64_t ldv, int n, int D
                              (__m512bh)fp8_as_bf16<C>(_mm512_unpackhi_epi8(zero, lo)),
                              (__m512bh)fp8_as_bf16<C>(_mm512_unpacklo_epi8(zero, hi)),
                              (__m512bh)fp8_as_bf16<C>(_mm512_unpackhi_epi8(zero, hi))};
+#pragma GCC unroll 4
       for (int r = 0; r < NR; ++r) {
         const __m512bh pr = (__m512bh)_mm512_set1_epi32(pp[r * 8 + j / 2]);
+#pragma GCC unroll 4
         for (int k = 0; k < 4; ++k) acc[r][k] = _mm512_dpbf16_ps(acc[r][k], pr, w[k]);
       }
     }
+#pragma GCC unroll 4
     for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 4
       for (int k = 0; k < 4; ++k) _mm512_storeu_ps(o + r * D + dim + 16 * k, acc[r][k]);
   }
 }
 
-template <int NR, typename C>
-inline void fp8_rows_chunk(const c10::BFloat16* q, int D, const C* k, const C* v, int64_t ld, int n, const int* qpos,
-                           int key0, int window, float scale, float* m, float* l, float* o) {
-  __m512 s[NR];
-  fp8_scores_from_rows<NR>(q, D, k, ld, n, s);
-  alignas(64) uint16_t pb[NR * 16];
-  float alpha[NR];
-  bf16_softmax<NR>(s, n, qpos, key0, window, scale * FP8_UNDO<C>, m, l, pb, alpha, FP8_UP);
-  for (int r = 0; r < NR; ++r)
-    if (alpha[r] != 1.f)
-      for (int d = 0; d < D; d += 16)
-        _mm512_storeu_ps(o + r * D + d, _mm512_mul_ps(_mm512_loadu_ps(o + r * D + d), _mm512_set1_ps(alpha[r])));
-  fp8_values<NR>(reinterpret_cast<const uint32_t*>(pb), v, ld, n, D, o);
-}
-
-template <typename C, int NR = ROW_SCORES_MAX>
-inline void fp8_rows_dispatch(int rows, const c10::BFloat16* q, int D, const C* k, const C* v, int64_t ld, int n,
-                              const int* qpos, int key0, int window, float scale, float* m, float* l, float* o) {
+// f(std::integral_constant<int, NR>, r) for `rows` rows in blocks of ROW_SCORES_MAX, then the rest
+template <int NR = ROW_SCORES_MAX, class F>
+inline void in_row_blocks(int rows, F&& f, int r = 0) {
   if constexpr (NR > 0) {
-    for (; rows >= NR; rows -= NR, q += NR * D, qpos += NR, m += NR, l += NR, o += NR * D)
-      fp8_rows_chunk<NR>(q, D, k, v, ld, n, qpos, key0, window, scale, m, l, o);
-    if (rows > 0) fp8_rows_dispatch<C, NR - 1>(rows, q, D, k, v, ld, n, qpos, key0, window, scale, m, l, o);
+    for (; rows >= NR; rows -= NR, r += NR) f(std::integral_constant<int, NR>{}, r);
+    if (rows > 0) in_row_blocks<NR - 1>(rows, f, r);
   }
 }
 
-// The AVX512-BF16 variant over an fp8 cache (kv_cache_dtype). A decode's few rows a kv head read
-// the keys and values in registers (fp8_rows_chunk: half the bytes of a bfloat16 cache, which
-// a long decode is bound by); more rows (prefill) widen each chunk's keys and values of a kv head
-// to bfloat16 in L1, exactly, and take the bfloat16 variant's steps over them. head_dim a multiple
-// of 64 (fits).
+// The AVX512-BF16 variant over an fp8 cache (kv_cache_dtype). A decode's few rows a kv head
+// (attend's two passes) read the keys and values in registers: half the bytes of a bfloat16 cache,
+// which a long decode is bound by; more rows (prefill), and batch-invariant calls, widen each
+// chunk's keys and values of a kv head to bfloat16 in L1, exactly, and take the bfloat16 variant's
+// steps over them (attend_in_chunks). head_dim a multiple of 64 (fits).
 template <typename C>
 struct Avx512Bf16Fp8 : Chunked<Avx512Bf16Fp8<C>, c10::BFloat16, C> {
   using T = c10::BFloat16;
   using P = Problem<T, C>;
-  static constexpr bool SCORES_FROM_KEYS = true;
+  static constexpr bool SCORES_FROM_KEYS = false;  // attend_in_chunks' rows: staged
+  static constexpr int SEG = 256;                  // the keys one pair of passes covers: its scores stay in L1
 
   static bool fits(const P& p) { return p.D % 64 == 0; }
 
   struct Scratch : ChunkedScratch {
     std::vector<uint32_t> qpairs, kpairs;
-    std::vector<T> qrows;   // the rows in fp8_key_slot order, times 2^64 (the decode path)
-    std::vector<float> row;
+    std::vector<T> qrows;   // the rows in fp8_key_slot order, times 2^64 (the decode's passes)
+    std::vector<float> row, scores, sums;  // one row; the rows' scores over a segment [rows][SEG + KW]; sums [rows][16]
     std::vector<T> kb, vb;  // a chunk's keys and values of one kv head, as bfloat16 [KW][D] (the staged path)
-    bool in_registers = false;  // the unit's chunks took the decode path: its outputs are in fp8_value_slot order
     Scratch(const P& p, int max_rows)
         : ChunkedScratch(max_rows),
           qpairs(max_rows * p.D / 2),
           kpairs(p.D / 2 * 16),
           qrows(max_rows * p.D),
           row(p.D),
+          scores(size_t(max_rows) * (SEG + KW)),
+          sums(max_rows * 16),
           kb(KW * p.D),
           vb(KW * p.D) {}
   };
 
   static void load_query(Scratch& s, const P& p, int r, const T* q) {
     std::memcpy(&s.qpairs[r * p.D / 2], q, p.D * sizeof(T));
-    for (int d = 0; d < p.D; ++d) s.qrows[r * p.D + fp8_key_slot(d)] = T(float(q[d]) * FP8_UP);
-    s.in_registers = false;
   }
 
   static void stage_keys(Scratch& s, const P& p, const C* k, int n) {
@@ -447,23 +447,117 @@ struct Avx512Bf16Fp8 : Chunked<Avx512Bf16Fp8<C>, c10::BFloat16, C> {
     stage_key_pairs(s.kb.data(), p.D, n, p.D / 2, s.kpairs.data());
   }
 
-  static void step(Scratch& s, const P& p, const Chunk<C>& c, int r0, int count, bool staged, Rows rows) {
-    if (!staged) {
-      s.in_registers = true;
-      fp8_rows_dispatch<C>(count, &s.qrows[r0 * p.D], p.D, c.k, c.v, p.slot_stride, c.n, &s.qpos[r0], c.key0,
-                           p.window, p.scale, rows.m + r0, rows.l + r0, rows.o + r0 * p.D);
-      return;
-    }
+  static void step(Scratch& s, const P& p, const Chunk<C>& c, int r0, int count, bool, Rows rows) {
     fp8_rows_to_bf16(c.v, p.slot_stride, c.n, p.D, s.vb.data());
     bf16_rows_dispatch(count, &s.qpairs[r0 * p.D / 2], p.D / 2, s.kpairs.data(), s.kb.data(), p.D, s.vb.data(), p.D,
                        c.n, &s.qpos[r0], c.key0, p.window, p.scale, rows.m + r0, rows.l + r0, rows.o + r0 * p.D);
   }
 
-  static void finish(Scratch& s, const P& p, int num_rows, float* o) {
-    if (!s.in_registers) return unpermute_rows(o, num_rows, p.D, s.row.data());
+  static void finish(Scratch& s, const P& p, int num_rows, float* o) { unpermute_rows(o, num_rows, p.D, s.row.data()); }
+
+  static void attend(Scratch& s, const P& p, const Unit& u, const Span& span, Rows rows) {
+    const int nt = u.tokens(), group_rows = nt * p.G;
+    if (p.partition > 0 || group_rows * 10 > p.D) return attend_in_chunks<Avx512Bf16Fp8>(s, p, u, span, rows);
+    decode(s, p, u, span, rows);
+  }
+
+  // A decode's rows over the span in segments of SEG keys, two passes each: every chunk's scores
+  // into s.scores (no softmax between the chunks: the keys stream), the rows' maxima (what the
+  // rows had so far rescaled once), then every chunk's probabilities and values.
+  static void decode(Scratch& s, const P& p, const Unit& u, const Span& span, Rows rows) {
+    const int H = p.H, G = p.G, D = p.D, KVH = p.KVH, BS = p.BS;
+    const int nt = u.tokens(), num_rows = nt * H, group_rows = nt * G, first_pos = p.first_pos(u.seq);
+    constexpr int LD = SEG + KW;
     for (int r = 0; r < num_rows; ++r) {
-      for (int d = 0; d < p.D; ++d) s.row[d] = o[r * p.D + fp8_value_slot(d)] * FP8_UNDO<C>;
-      std::memcpy(o + r * p.D, s.row.data(), p.D * sizeof(float));
+      const int h = r / group_rows, i = u.q_begin + (r / G) % nt, g = r % G;
+      s.qpos[r] = first_pos + i;
+      const T* q = p.q + (int64_t(p.qstart[u.seq] + i) * H + h * G + g) * D;
+      for (int d = 0; d < D; ++d) s.qrows[r * D + fp8_key_slot(d)] = T(float(q[d]) * FP8_UP);
+    }
+    std::fill(s.sums.begin(), s.sums.begin() + num_rows * 16, 0.f);
+    const int* table = p.tables + int64_t(u.seq) * p.max_blocks;
+    auto slot_of = [&](int key) { return int64_t(table[key / BS]) * BS + key % BS; };
+    auto chunk_of = [&](int key0, int hi) { return std::min({KW, hi - key0, BS - key0 % BS}); };
+    // the lines of the chunk PREFETCH_CHUNKS ahead of key0, of the cache `c`, to issue a share at
+    // a time between the kv heads' work (attend_in_chunks' Ahead: one burst a chunk stalls the core)
+    auto fetch_ahead = [&](const C* c, int key0, int n, int hi) {
+      const int ahead = key0 + PREFETCH_CHUNKS * n;
+      if (ahead >= hi) return Ahead{};
+      return Ahead{reinterpret_cast<const char*>(c + slot_of(ahead) * p.slot_stride),
+                   chunk_of(ahead, hi) * p.slot_stride * int64_t(sizeof(C))};
+    };
+    const float scale = p.scale * FP8_UNDO<C>;
+    for (int seg = span.lo; seg < span.hi; seg += SEG) {
+      const int seg_hi = std::min(span.hi, seg + SEG);
+      for (int key0 = seg, n = 0; key0 < seg_hi; key0 += n) {  // the scores
+        n = chunk_of(key0, seg_hi);
+        Ahead ahead = fetch_ahead(p.k, key0, n, span.hi);
+        const int64_t piece = (ahead.left / KVH + 63) / 64 * 64;
+        const C* k = p.k + slot_of(key0) * p.slot_stride;
+        for (int h = 0; h < KVH; ++h, ahead.issue(piece))
+          in_row_blocks(group_rows, [&](auto nr, int r) {
+            constexpr int NR = decltype(nr)::value;
+            const int r0 = h * group_rows + r;
+            __m512 sc[NR];
+            fp8_scores_from_rows<NR>(&s.qrows[r0 * D], D, k + h * D, p.slot_stride, n, sc);
+            for (int j = 0; j < NR; ++j) {
+              const __mmask16 keep = visible_keys(n, s.qpos[r0 + j], key0, p.window);
+              _mm512_storeu_ps(&s.scores[(r0 + j) * LD + key0 - seg],
+                               _mm512_mask_mul_ps(_mm512_set1_ps(NEG_INF), keep, sc[j], _mm512_set1_ps(scale)));
+            }
+          });
+      }
+      const int len = seg_hi - seg;
+      for (int r = 0; r < num_rows; ++r) {  // the rows' maxima; what they had so far rescaled
+        __m512 mx = _mm512_set1_ps(NEG_INF);
+        const float* sr = &s.scores[r * LD];
+        for (int j = 0; j < len; j += 16) {
+          const __mmask16 in = len - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (len - j)) - 1);
+          mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(_mm512_set1_ps(NEG_INF), in, sr + j));
+        }
+        const float m = std::max(rows.m[r], _mm512_reduce_max_ps(mx));
+        if (m == rows.m[r] || rows.m[r] == NEG_INF) {
+          rows.m[r] = m;
+          continue;
+        }
+        const float alpha = std::exp(rows.m[r] - m);
+        for (int d = 0; d < D; d += 16)
+          _mm512_storeu_ps(rows.o + r * D + d, _mm512_mul_ps(_mm512_loadu_ps(rows.o + r * D + d), _mm512_set1_ps(alpha)));
+        for (int j = 0; j < 16; ++j) s.sums[r * 16 + j] *= alpha;
+        rows.l[r] *= alpha;
+        rows.m[r] = m;
+      }
+      for (int key0 = seg, n = 0; key0 < seg_hi; key0 += n) {  // the probabilities and values
+        n = chunk_of(key0, seg_hi);
+        Ahead ahead = fetch_ahead(p.v, key0, n, span.hi);
+        const int64_t piece = (ahead.left / KVH + 63) / 64 * 64;
+        const C* v = p.v + slot_of(key0) * p.slot_stride;
+        const __mmask16 in = n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+        for (int h = 0; h < KVH; ++h, ahead.issue(piece))
+          in_row_blocks(group_rows, [&](auto nr, int r) {
+            constexpr int NR = decltype(nr)::value;
+            const int r0 = h * group_rows + r;
+            alignas(64) uint16_t pb[NR * 16];
+            for (int j = 0; j < NR; ++j) {
+              const float m = rows.m[r0 + j];
+              __m512 e = _mm512_setzero_ps();
+              if (m != NEG_INF) {
+                const __m512 x = _mm512_maskz_loadu_ps(in, &s.scores[(r0 + j) * LD + key0 - seg]);
+                e = _mm512_maskz_mov_ps(in, exp16(_mm512_sub_ps(x, _mm512_set1_ps(m))));
+              }
+              float* sum = &s.sums[(r0 + j) * 16];
+              _mm512_storeu_ps(sum, _mm512_add_ps(_mm512_loadu_ps(sum), e));
+              _mm256_store_si256(reinterpret_cast<__m256i*>(pb + j * 16),
+                                 (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(e, _mm512_set1_ps(FP8_UP))));
+            }
+            fp8_values<NR>(reinterpret_cast<const uint32_t*>(pb), v + h * D, p.slot_stride, n, D, rows.o + r0 * D);
+          });
+      }
+    }
+    for (int r = 0; r < num_rows; ++r) {
+      rows.l[r] += _mm512_reduce_add_ps(_mm512_loadu_ps(&s.sums[r * 16]));
+      for (int d = 0; d < D; ++d) s.row[d] = rows.o[r * D + fp8_value_slot(d)] * FP8_UNDO<C>;
+      std::memcpy(rows.o + r * D, s.row.data(), D * sizeof(float));
     }
   }
 };
