@@ -16,6 +16,7 @@ Prints a table and one JSON line; never fails on a number.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import tempfile
 import time
@@ -69,6 +70,25 @@ def decode_step(model, batch: int, context: int, block_size: int = 16, kv_cache_
     return step, kv_bytes * dtype.itemsize
 
 
+def run_as(model, use_fused: bool, step):
+    model.use_fused = use_fused
+    return step()
+
+
+def interleaved(steps: dict, repeats: int) -> dict[str, float]:
+    """Each step's best time over ``repeats`` rounds, the steps taken in turn within a round, so
+    that a slower spell of this shared machine falls on every row alike rather than on one."""
+    for step in steps.values():
+        step()
+    best = dict.fromkeys(steps, float("inf"))
+    for _ in range(repeats):
+        for name, step in steps.items():
+            t = time.perf_counter()
+            step()
+            best[name] = min(best[name], time.perf_counter() - t)
+    return best
+
+
 def timed(step, repeats: int) -> float:
     step()
     best = float("inf")
@@ -119,8 +139,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model or str(write_tiny_model(Path(tmp)))
         loaded = {name: load_model(path, dtype=args.dtype, attention_backend=name).model for name in ("torch", "cpu")}
-    # label -> (model, use_fused): the cpu backend's steps run fused (models/fused.py) where the model allows
-    # label -> (model, use_fused, kv_cache_dtype)
+    # label -> (model, use_fused, kv_cache_dtype): the cpu backend's steps run fused (models/fused.py) where the
+    # model allows
     models = {
         "torch": (loaded["torch"], False, "auto"),
         "cpu": (loaded["cpu"], True, "auto"),
@@ -130,10 +150,13 @@ def main() -> None:
     bandwidth = read_bandwidth()
     rows = []
     for context in args.contexts:
+        steps = {}
         for name, (model, use_fused, kv_cache_dtype) in models.items():
-            model.use_fused = use_fused
             step, kv_bytes = decode_step(model, args.batch, context, kv_cache_dtype=kv_cache_dtype)
-            seconds = timed(step, args.repeats)
+            steps[name] = (functools.partial(run_as, model, use_fused, step), kv_bytes)
+        best = interleaved({name: step for name, (step, _) in steps.items()}, args.repeats)
+        for name, (step, kv_bytes) in steps.items():
+            seconds = best[name]
             parts = breakdown(step)
             rows.append(
                 {

@@ -407,6 +407,12 @@ inline void in_row_blocks(int rows, F&& f, int r = 0) {
   }
 }
 
+// a chunk of a decode's segment: its keys [key0, key0 + n) from slot `slot` on
+struct SegChunk {
+  int key0, n;
+  int64_t slot;
+};
+
 // The AVX512-BF16 variant over an fp8 cache (kv_cache_dtype). A decode's few rows a kv head
 // (attend's two passes) read the keys and values in registers: half the bytes of a bfloat16 cache,
 // which a long decode is bound by; more rows (prefill), and batch-invariant calls, widen each
@@ -426,6 +432,7 @@ struct Avx512Bf16Fp8 : Chunked<Avx512Bf16Fp8<C>, c10::BFloat16, C> {
     std::vector<T> qrows;   // the rows in fp8_key_slot order, times 2^64 (the decode's passes)
     std::vector<float> row, scores, sums;  // one row; the rows' scores over a segment [rows][SEG + KW]; sums [rows][16]
     std::vector<T> kb, vb;  // a chunk's keys and values of one kv head, as bfloat16 [KW][D] (the staged path)
+    std::vector<SegChunk> chunks;  // the decode's segment's chunks
     Scratch(const P& p, int max_rows)
         : ChunkedScratch(max_rows),
           qpairs(max_rows * p.D / 2),
@@ -476,24 +483,37 @@ struct Avx512Bf16Fp8 : Chunked<Avx512Bf16Fp8<C>, c10::BFloat16, C> {
     }
     std::fill(s.sums.begin(), s.sums.begin() + num_rows * 16, 0.f);
     const int* table = p.tables + int64_t(u.seq) * p.max_blocks;
-    auto slot_of = [&](int key) { return int64_t(table[key / BS]) * BS + key % BS; };
-    auto chunk_of = [&](int key0, int hi) { return std::min({KW, hi - key0, BS - key0 % BS}); };
-    // the lines of the chunk PREFETCH_CHUNKS ahead of key0, of the cache `c`, to issue a share at
-    // a time between the kv heads' work (attend_in_chunks' Ahead: one burst a chunk stalls the core)
-    auto fetch_ahead = [&](const C* c, int key0, int n, int hi) {
-      const int ahead = key0 + PREFETCH_CHUNKS * n;
-      if (ahead >= hi) return Ahead{};
-      return Ahead{reinterpret_cast<const char*>(c + slot_of(ahead) * p.slot_stride),
-                   chunk_of(ahead, hi) * p.slot_stride * int64_t(sizeof(C))};
+    // a segment's chunks (never across a block) and the PREFETCH_CHUNKS after it, walked block by
+    // block from one division (a division a chunk cost more than the chunk's softmax)
+    auto plan = [&](int lo, int seg_hi) {
+      s.chunks.clear();
+      int blk = lo / BS, off = lo - blk * BS, ahead = 0;
+      for (int key0 = lo; key0 < span.hi && ahead < PREFETCH_CHUNKS;) {
+        const int hi = key0 < seg_hi ? seg_hi : span.hi;
+        const int n = std::min({KW, hi - key0, BS - off});
+        s.chunks.push_back({key0, n, int64_t(table[blk]) * BS + off});
+        ahead += key0 >= seg_hi;
+        key0 += n, off += n;
+        if (off == BS) off = 0, ++blk;
+      }
+    };
+    // the lines of the chunk PREFETCH_CHUNKS after chunk c, of the cache `c`, to issue a kv head's
+    // share at a time between the heads' work (attend_in_chunks' Ahead: one burst a chunk stalls the core)
+    auto fetch_ahead = [&](const C* cache, size_t c) {
+      if (c + PREFETCH_CHUNKS >= s.chunks.size()) return std::pair<Ahead, int64_t>{};
+      const SegChunk& next = s.chunks[c + PREFETCH_CHUNKS];
+      const int64_t head_bytes = next.n * int64_t(D) * int64_t(sizeof(C));  // a head's share, no division
+      return std::pair{Ahead{reinterpret_cast<const char*>(cache + next.slot * p.slot_stride), head_bytes * KVH},
+                       (head_bytes + 63) / 64 * 64};
     };
     const float scale = p.scale * FP8_UNDO<C>;
     for (int seg = span.lo; seg < span.hi; seg += SEG) {
       const int seg_hi = std::min(span.hi, seg + SEG);
-      for (int key0 = seg, n = 0; key0 < seg_hi; key0 += n) {  // the scores
-        n = chunk_of(key0, seg_hi);
-        Ahead ahead = fetch_ahead(p.k, key0, n, span.hi);
-        const int64_t piece = (ahead.left / KVH + 63) / 64 * 64;
-        const C* k = p.k + slot_of(key0) * p.slot_stride;
+      plan(seg, seg_hi);
+      for (size_t c = 0; c < s.chunks.size() && s.chunks[c].key0 < seg_hi; ++c) {  // the scores
+        const int key0 = s.chunks[c].key0, n = s.chunks[c].n;
+        auto [ahead, piece] = fetch_ahead(p.k, c);
+        const C* k = p.k + s.chunks[c].slot * p.slot_stride;
         for (int h = 0; h < KVH; ++h, ahead.issue(piece))
           in_row_blocks(group_rows, [&](auto nr, int r) {
             constexpr int NR = decltype(nr)::value;
@@ -527,11 +547,10 @@ struct Avx512Bf16Fp8 : Chunked<Avx512Bf16Fp8<C>, c10::BFloat16, C> {
         rows.l[r] *= alpha;
         rows.m[r] = m;
       }
-      for (int key0 = seg, n = 0; key0 < seg_hi; key0 += n) {  // the probabilities and values
-        n = chunk_of(key0, seg_hi);
-        Ahead ahead = fetch_ahead(p.v, key0, n, span.hi);
-        const int64_t piece = (ahead.left / KVH + 63) / 64 * 64;
-        const C* v = p.v + slot_of(key0) * p.slot_stride;
+      for (size_t c = 0; c < s.chunks.size() && s.chunks[c].key0 < seg_hi; ++c) {  // the probabilities and values
+        const int key0 = s.chunks[c].key0, n = s.chunks[c].n;
+        auto [ahead, piece] = fetch_ahead(p.v, c);
+        const C* v = p.v + s.chunks[c].slot * p.slot_stride;
         const __mmask16 in = n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
         for (int h = 0; h < KVH; ++h, ahead.issue(piece))
           in_row_blocks(group_rows, [&](auto nr, int r) {
