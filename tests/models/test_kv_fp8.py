@@ -59,6 +59,25 @@ def test_store_kv_rounds_into_fp8_as_torch_converts_and_saturates(cache_dtype, d
     assert stored[4] != 0 and stored[:7].isfinite().all()
 
 
+@pytest.mark.parametrize("cache_dtype", FP8)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_converts_every_value_as_torch_does(cache_dtype, dtype):
+    """The store's vector conversion (eight lanes at a time where AVX2 is built) against torch's,
+    byte for byte: every bfloat16 bit pattern, and float32 patterns a prime stride apart across all
+    2^32 (normals, subnormals, the edges of each format's range, infinities, NaNs)."""
+    if dtype == torch.bfloat16:
+        x = torch.arange(2**16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    else:
+        x = torch.arange(0, 2**32, 4099, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    x = x[: x.numel() // 192 * 192].reshape(-1, 3, 64)
+    caches = [torch.zeros(x.shape, dtype=cache_dtype) for _ in range(2)]
+    torch.ops.atom.store_kv(caches[0], caches[1], x, x, torch.arange(x.shape[0]))
+    expected = to_kv_cache(x, cache_dtype)
+    nan = expected.float().isnan()
+    assert torch.equal(caches[0].float().isnan(), nan)
+    assert torch.equal(bits(caches[0])[~nan], bits(expected)[~nan])
+
+
 def step(layout: str, dtype: torch.dtype, cache_dtype: torch.dtype, seed: int = 0):
     """A step over scattered blocks whose caches hold fp8 values: the same step with caches of
     ``cache_dtype`` and with those values widened to ``dtype``."""

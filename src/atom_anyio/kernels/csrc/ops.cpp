@@ -389,9 +389,44 @@ void gemv_f32(float* out, const float* x, int64_t M, int64_t K, const float* w, 
   gemm::gemm(out, x, M, K, w, N, bias);
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// eight floats as fp8 type C, as to_fp8 gives them: saturated, then c10's conversion (round to
+// nearest even through the mantissa's low bits, subnormals by adding a magic float), lane by lane
+template <typename C>
+inline void to_fp8_x8(C* dst, __m256 x) {
+  constexpr bool e5m2 = std::is_same_v<C, c10::Float8_e5m2>;
+  constexpr float top = e5m2 ? 57344.f : 448.f;
+  constexpr int shift = e5m2 ? 21 : 20;  // 23 less the format's mantissa bits
+  constexpr int max_bits = e5m2 ? 143 << 23 : 1087 << 20, min_normal = e5m2 ? 113 << 23 : 121 << 23;
+  constexpr int denorm = e5m2 ? 134 << 23 : 141 << 23;
+  constexpr int rebias = e5m2 ? ((15 - 127) << 23) + 0xFFFFF : ((7 - 127) << 23) + 0x7FFFF;
+  x = _mm256_min_ps(_mm256_set1_ps(top), _mm256_max_ps(_mm256_set1_ps(-top), x));  // NaN stays (second operand)
+  __m256i bits = _mm256_castps_si256(x);
+  const __m256i sign = _mm256_and_si256(bits, _mm256_set1_epi32(int(0x80000000u)));
+  bits = _mm256_xor_si256(bits, sign);
+  const __m256i normal = _mm256_srli_epi32(
+      _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(rebias)),
+                       _mm256_and_si256(_mm256_srli_epi32(bits, shift), _mm256_set1_epi32(1))),
+      shift);
+  const __m256i subnormal = _mm256_sub_epi32(
+      _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(bits), _mm256_castsi256_ps(_mm256_set1_epi32(denorm)))),
+      _mm256_set1_epi32(denorm));
+  __m256i r = _mm256_blendv_epi8(normal, subnormal, _mm256_cmpgt_epi32(_mm256_set1_epi32(min_normal), bits));
+  const __m256i nan = _mm256_cmpgt_epi32(bits, _mm256_set1_epi32(max_bits - 1));  // only NaN gets here
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7F), nan);
+  r = _mm256_and_si256(_mm256_or_si256(r, _mm256_srli_epi32(sign, 24)), _mm256_set1_epi32(0xFF));
+  const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), _mm_packus_epi16(words, words));
+}
+#endif
+
 template <typename C, typename S>
 static void quantize_row(C* dst, const S* src, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = to_fp8<C>(float(src[i]));
+  int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  for (; i + 8 <= n; i += 8) to_fp8_x8(dst + i, load_as_float(src + i).v);
+#endif
+  for (; i < n; ++i) dst[i] = to_fp8<C>(float(src[i]));
 }
 
 template <typename S>
