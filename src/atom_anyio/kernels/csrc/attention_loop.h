@@ -256,6 +256,26 @@ struct Ahead {
   }
 };
 
+// A sequence's keys from `key` on, in chunks of up to KW that never cross a block, walked block by
+// block from one division: a division per chunk (its slot and its size by the block size, a
+// runtime value) cost more than a decode chunk's softmax (fp8's decode: 42 against 28 cycles a key
+// and kv head with the keys in L2)
+struct ChunkWalk {
+  const int* table;
+  int BS, hi, key, blk, off;  // the next chunk starts at key: block blk of the table, offset off in it
+  ChunkWalk(const int* table, int BS, int lo, int hi) : table(table), BS(BS), hi(hi), key(lo) {
+    blk = lo / BS, off = lo - blk * BS;
+  }
+  bool done() const { return key >= hi; }
+  int size() const { return std::min({KW, hi - key, BS - off}); }
+  int64_t slot() const { return int64_t(table[blk]) * BS + off; }
+  void next() {
+    const int n = size();
+    key += n, off += n;
+    if (off == BS) off = 0, ++blk;
+  }
+};
+
 // a kv head's keys [key0, key0 + n) of one chunk (n <= KW, within a block), k and v at its first
 // slot (a key's row every slot_stride)
 template <typename C>
@@ -287,18 +307,20 @@ void attend_in_chunks(typename V::Scratch& s, const Problem<T, C>& p, const Unit
     V::load_query(s, p, r, p.q + (int64_t(p.qstart[u.seq] + i) * H + h * G + g) * D);
   }
   const int* table = p.tables + int64_t(u.seq) * p.max_blocks;
-  auto slot_of = [&](int key) { return int64_t(table[key / BS]) * BS + key % BS; };
-  for (int key0 = span.lo, n = 0; key0 < span.hi; key0 += n) {
-    n = std::min({KW, span.hi - key0, BS - key0 % BS});  // a chunk never crosses a block
-    const int64_t slot = slot_of(key0);
-    const int ahead = key0 + PREFETCH_CHUNKS * n;
+  ChunkWalk walk(table, BS, span.lo, span.hi), ahead(table, BS, span.lo, span.hi);  // ahead: PREFETCH_CHUNKS on
+  for (int i = 0; i < PREFETCH_CHUNKS && !ahead.done(); ++i) ahead.next();
+  for (; !walk.done(); walk.next()) {
+    const int key0 = walk.key, n = walk.size();
+    const int64_t slot = walk.slot();
     Ahead ak, av;
-    if (ahead < span.hi) {
-      const int64_t bytes = std::min({KW, span.hi - ahead, BS - ahead % BS}) * p.slot_stride * int64_t(sizeof(C));
-      ak = {reinterpret_cast<const char*>(p.k + slot_of(ahead) * p.slot_stride), bytes};
-      av = {reinterpret_cast<const char*>(p.v + slot_of(ahead) * p.slot_stride), bytes};
+    int64_t piece = 0;  // half a kv head's share of the lines (no division by the heads)
+    if (!ahead.done()) {
+      const int64_t bytes = ahead.size() * p.slot_stride * int64_t(sizeof(C));
+      piece = (ahead.size() * int64_t(D) * int64_t(sizeof(C)) / 2 + 63) / 64 * 64;
+      ak = {reinterpret_cast<const char*>(p.k + ahead.slot() * p.slot_stride), bytes};
+      av = {reinterpret_cast<const char*>(p.v + ahead.slot() * p.slot_stride), bytes};
+      ahead.next();
     }
-    const int64_t piece = (ak.left / (2 * KVH) + 63) / 64 * 64;  // a quarter of a head's share
     for (int h = 0; h < KVH; ++h) {
       ak.issue(piece);
       const Chunk<C> chunk{p.k + slot * p.slot_stride + int64_t(h) * D, p.v + slot * p.slot_stride + int64_t(h) * D,
