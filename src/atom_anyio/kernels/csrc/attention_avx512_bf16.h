@@ -407,12 +407,6 @@ inline void in_row_blocks(int rows, F&& f, int r = 0) {
   }
 }
 
-// a chunk of a decode's segment: its keys [key0, key0 + n) from slot `slot` on
-struct SegChunk {
-  int key0, n;
-  int64_t slot;
-};
-
 // The AVX512-BF16 variant over an fp8 cache (kv_cache_dtype). A decode's few rows a kv head
 // (attend's two passes) read the keys and values in registers: half the bytes of a bfloat16 cache,
 // which a long decode is bound by; more rows (prefill), and batch-invariant calls, widen each
@@ -432,7 +426,6 @@ struct Avx512Bf16Fp8 : Chunked<Avx512Bf16Fp8<C>, c10::BFloat16, C> {
     std::vector<T> qrows;   // the rows in fp8_key_slot order, times 2^64 (the decode's passes)
     std::vector<float> row, scores, sums;  // one row; the rows' scores over a segment [rows][SEG + KW]; sums [rows][16]
     std::vector<T> kb, vb;  // a chunk's keys and values of one kv head, as bfloat16 [KW][D] (the staged path)
-    std::vector<SegChunk> chunks;  // the decode's segment's chunks
     Scratch(const P& p, int max_rows)
         : ChunkedScratch(max_rows),
           qpairs(max_rows * p.D / 2),
@@ -483,50 +476,41 @@ struct Avx512Bf16Fp8 : Chunked<Avx512Bf16Fp8<C>, c10::BFloat16, C> {
     }
     std::fill(s.sums.begin(), s.sums.begin() + num_rows * 16, 0.f);
     const int* table = p.tables + int64_t(u.seq) * p.max_blocks;
-    // a segment's chunks (never across a block) and the PREFETCH_CHUNKS after it, walked block by
-    // block from one division (a division a chunk cost more than the chunk's softmax)
-    auto plan = [&](int lo, int seg_hi) {
-      s.chunks.clear();
-      int blk = lo / BS, off = lo - blk * BS, ahead = 0;
-      for (int key0 = lo; key0 < span.hi && ahead < PREFETCH_CHUNKS;) {
-        const int hi = key0 < seg_hi ? seg_hi : span.hi;
-        const int n = std::min({KW, hi - key0, BS - off});
-        s.chunks.push_back({key0, n, int64_t(table[blk]) * BS + off});
-        ahead += key0 >= seg_hi;
-        key0 += n, off += n;
-        if (off == BS) off = 0, ++blk;
+    // f(key0, n, slot, h) for each chunk of [lo, hi) (ChunkWalk) and kv head h; the lines of the chunk
+    // PREFETCH_CHUNKS on, of `cache`, fetched a head's share at a time between the heads' work
+    // (attend_in_chunks' Ahead: one burst a chunk stalls the core)
+    auto each_chunk = [&](int lo, int hi, const C* cache, auto&& f) {
+      ChunkWalk walk(table, BS, lo, hi), ahead(table, BS, lo, span.hi);
+      for (int i = 0; i < PREFETCH_CHUNKS && !ahead.done(); ++i) ahead.next();
+      for (; !walk.done(); walk.next()) {
+        Ahead lines;
+        int64_t piece = 0;
+        if (!ahead.done()) {
+          const int64_t head_bytes = ahead.size() * int64_t(D) * int64_t(sizeof(C));
+          lines = {reinterpret_cast<const char*>(cache + ahead.slot() * p.slot_stride), head_bytes * KVH};
+          piece = (head_bytes + 63) / 64 * 64;
+          ahead.next();
+        }
+        for (int h = 0; h < KVH; ++h, lines.issue(piece)) f(walk.key, walk.size(), walk.slot(), h);
       }
-    };
-    // the lines of the chunk PREFETCH_CHUNKS after chunk c, of the cache `c`, to issue a kv head's
-    // share at a time between the heads' work (attend_in_chunks' Ahead: one burst a chunk stalls the core)
-    auto fetch_ahead = [&](const C* cache, size_t c) {
-      if (c + PREFETCH_CHUNKS >= s.chunks.size()) return std::pair<Ahead, int64_t>{};
-      const SegChunk& next = s.chunks[c + PREFETCH_CHUNKS];
-      const int64_t head_bytes = next.n * int64_t(D) * int64_t(sizeof(C));  // a head's share, no division
-      return std::pair{Ahead{reinterpret_cast<const char*>(cache + next.slot * p.slot_stride), head_bytes * KVH},
-                       (head_bytes + 63) / 64 * 64};
     };
     const float scale = p.scale * FP8_UNDO<C>;
     for (int seg = span.lo; seg < span.hi; seg += SEG) {
       const int seg_hi = std::min(span.hi, seg + SEG);
-      plan(seg, seg_hi);
-      for (size_t c = 0; c < s.chunks.size() && s.chunks[c].key0 < seg_hi; ++c) {  // the scores
-        const int key0 = s.chunks[c].key0, n = s.chunks[c].n;
-        auto [ahead, piece] = fetch_ahead(p.k, c);
-        const C* k = p.k + s.chunks[c].slot * p.slot_stride;
-        for (int h = 0; h < KVH; ++h, ahead.issue(piece))
-          in_row_blocks(group_rows, [&](auto nr, int r) {
-            constexpr int NR = decltype(nr)::value;
-            const int r0 = h * group_rows + r;
-            __m512 sc[NR];
-            fp8_scores_from_rows<NR>(&s.qrows[r0 * D], D, k + h * D, p.slot_stride, n, sc);
-            for (int j = 0; j < NR; ++j) {
-              const __mmask16 keep = visible_keys(n, s.qpos[r0 + j], key0, p.window);
-              _mm512_storeu_ps(&s.scores[(r0 + j) * LD + key0 - seg],
-                               _mm512_mask_mul_ps(_mm512_set1_ps(NEG_INF), keep, sc[j], _mm512_set1_ps(scale)));
-            }
-          });
-      }
+      each_chunk(seg, seg_hi, p.k, [&](int key0, int n, int64_t slot, int h) {  // the scores
+        const C* k = p.k + slot * p.slot_stride + h * D;
+        in_row_blocks(group_rows, [&](auto nr, int r) {
+          constexpr int NR = decltype(nr)::value;
+          const int r0 = h * group_rows + r;
+          __m512 sc[NR];
+          fp8_scores_from_rows<NR>(&s.qrows[r0 * D], D, k, p.slot_stride, n, sc);
+          for (int j = 0; j < NR; ++j) {
+            const __mmask16 keep = visible_keys(n, s.qpos[r0 + j], key0, p.window);
+            _mm512_storeu_ps(&s.scores[(r0 + j) * LD + key0 - seg],
+                             _mm512_mask_mul_ps(_mm512_set1_ps(NEG_INF), keep, sc[j], _mm512_set1_ps(scale)));
+          }
+        });
+      });
       const int len = seg_hi - seg;
       for (int r = 0; r < num_rows; ++r) {  // the rows' maxima; what they had so far rescaled
         __m512 mx = _mm512_set1_ps(NEG_INF);
@@ -547,31 +531,28 @@ struct Avx512Bf16Fp8 : Chunked<Avx512Bf16Fp8<C>, c10::BFloat16, C> {
         rows.l[r] *= alpha;
         rows.m[r] = m;
       }
-      for (size_t c = 0; c < s.chunks.size() && s.chunks[c].key0 < seg_hi; ++c) {  // the probabilities and values
-        const int key0 = s.chunks[c].key0, n = s.chunks[c].n;
-        auto [ahead, piece] = fetch_ahead(p.v, c);
-        const C* v = p.v + s.chunks[c].slot * p.slot_stride;
+      each_chunk(seg, seg_hi, p.v, [&](int key0, int n, int64_t slot, int h) {  // the probabilities and values
+        const C* v = p.v + slot * p.slot_stride + h * D;
         const __mmask16 in = n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
-        for (int h = 0; h < KVH; ++h, ahead.issue(piece))
-          in_row_blocks(group_rows, [&](auto nr, int r) {
-            constexpr int NR = decltype(nr)::value;
-            const int r0 = h * group_rows + r;
-            alignas(64) uint16_t pb[NR * 16];
-            for (int j = 0; j < NR; ++j) {
-              const float m = rows.m[r0 + j];
-              __m512 e = _mm512_setzero_ps();
-              if (m != NEG_INF) {
-                const __m512 x = _mm512_maskz_loadu_ps(in, &s.scores[(r0 + j) * LD + key0 - seg]);
-                e = _mm512_maskz_mov_ps(in, exp16(_mm512_sub_ps(x, _mm512_set1_ps(m))));
-              }
-              float* sum = &s.sums[(r0 + j) * 16];
-              _mm512_storeu_ps(sum, _mm512_add_ps(_mm512_loadu_ps(sum), e));
-              _mm256_store_si256(reinterpret_cast<__m256i*>(pb + j * 16),
-                                 (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(e, _mm512_set1_ps(FP8_UP))));
+        in_row_blocks(group_rows, [&](auto nr, int r) {
+          constexpr int NR = decltype(nr)::value;
+          const int r0 = h * group_rows + r;
+          alignas(64) uint16_t pb[NR * 16];
+          for (int j = 0; j < NR; ++j) {
+            const float m = rows.m[r0 + j];
+            __m512 e = _mm512_setzero_ps();
+            if (m != NEG_INF) {
+              const __m512 x = _mm512_maskz_loadu_ps(in, &s.scores[(r0 + j) * LD + key0 - seg]);
+              e = _mm512_maskz_mov_ps(in, exp16(_mm512_sub_ps(x, _mm512_set1_ps(m))));
             }
-            fp8_values<NR>(reinterpret_cast<const uint32_t*>(pb), v + h * D, p.slot_stride, n, D, rows.o + r0 * D);
-          });
-      }
+            float* sum = &s.sums[(r0 + j) * 16];
+            _mm512_storeu_ps(sum, _mm512_add_ps(_mm512_loadu_ps(sum), e));
+            _mm256_store_si256(reinterpret_cast<__m256i*>(pb + j * 16),
+                               (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(e, _mm512_set1_ps(FP8_UP))));
+          }
+          fp8_values<NR>(reinterpret_cast<const uint32_t*>(pb), v, p.slot_stride, n, D, rows.o + r0 * D);
+        });
+      });
     }
     for (int r = 0; r < num_rows; ++r) {
       rows.l[r] += _mm512_reduce_add_ps(_mm512_loadu_ps(&s.sums[r * 16]));
