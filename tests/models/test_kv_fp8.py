@@ -13,7 +13,7 @@ from support_models import assert_greedy_close
 from atom_anyio import LLM, SamplingParams, kernels
 from atom_anyio.engine.engine_config import EngineConfig
 from atom_anyio.models.attention import AttentionMetadata, CpuPagedAttention, TorchPagedAttention
-from atom_anyio.models.attention.metadata import as_cached, to_kv_cache, write_slots
+from atom_anyio.models.attention.metadata import FP8_KV_DTYPES, as_cached, to_kv_cache, write_slots
 from atom_anyio.models.loader import load_model
 
 FP8 = [torch.float8_e5m2, torch.float8_e4m3fn]
@@ -207,6 +207,7 @@ def test_an_fp8_cache_answers_alike_on_every_path_and_from_its_prefix_cache(tiny
         loaded = load_model(str(tiny_model_dir), dtype, attention_backend=attention)
         loaded.model.use_fused = fused
         llm = LLM(loaded, kv_cache_dtype="fp8", num_kv_blocks=64, max_num_batched_tokens=32)
+        assert llm.engine.worker.kv_pool.dtype == torch.float8_e4m3fn
         first = [o.outputs[0] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
         sent_again = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         assert [o.num_cached_tokens for o in sent_again] == [80, 32]  # every full block of each prompt
@@ -218,21 +219,30 @@ def test_an_fp8_cache_answers_alike_on_every_path_and_from_its_prefix_cache(tiny
     assert [o.token_ids for o in run(attention, fused=False)] == [o.token_ids for o in fused]
 
 
+SMOLLM2_PROMPTS = [
+    "<|im_start|>user\nWrite a long story about a lighthouse keeper.<|im_end|>\n<|im_start|>assistant\n",
+    "<|im_start|>user\nExplain how a compiler works, step by step.<|im_end|>\n<|im_start|>assistant\n",
+]
+SMOLLM2_GREEDY = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True, logprobs=5)
+
+
+@pytest.fixture(scope="module")
+def smollm2_bf16_kv(smollm2_path):
+    """SmolLM2 at the server's defaults and its 256 greedy tokens of each prompt over its own KV dtype."""
+    loaded = load_model(None, "auto")
+    return loaded, LLM(loaded, kv_cache_gib=0.25).generate(SMOLLM2_PROMPTS, SMOLLM2_GREEDY, use_tqdm=False)
+
+
 @pytest.mark.parametrize("kv", ["fp8", "fp8_e5m2"])
-def test_smollm2_greedy_over_fp8_kv_stays_within_bfloat16_kvs_top5(smollm2_path, kv):
+def test_smollm2_greedy_over_fp8_kv_stays_within_bfloat16_kvs_top5(smollm2_bf16_kv, kv):
     """SmolLM2 at the server's defaults, 256 greedy tokens of two prompts over each KV dtype: the
     free-running texts agree the standard way (equal, or each side's token in the other's top-5
     where they first part), and fed the bfloat16-KV text, the fp8 cache ranks every one of its 256
     tokens within its top 5."""
-    loaded = load_model(None, "auto")
-    prompts = [
-        "<|im_start|>user\nWrite a long story about a lighthouse keeper.<|im_end|>\n<|im_start|>assistant\n",
-        "<|im_start|>user\nExplain how a compiler works, step by step.<|im_end|>\n<|im_start|>assistant\n",
-    ]
-    params = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True, logprobs=5)
-    ref = [o for o in LLM(loaded, kv_cache_gib=0.25).generate(prompts, params, use_tqdm=False)]
+    loaded, ref = smollm2_bf16_kv
     llm = LLM(loaded, kv_cache_gib=0.25, kv_cache_dtype=kv, enable_prefix_caching=False)
-    fp8 = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.worker.kv_pool.dtype == FP8_KV_DTYPES[kv]
+    fp8 = llm.generate(SMOLLM2_PROMPTS, SMOLLM2_GREEDY, use_tqdm=False)
     assert_greedy_close([o.outputs[0] for o in fp8], [o.outputs[0] for o in ref])
     score = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=5)
     for r in ref:
