@@ -40,7 +40,7 @@ def write_slots(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) ->
     """``rows`` into ``cache[slots]`` as the cache's dtype (``index_copy_``, which takes an fp8 cache
     through its bytes: torch has no fp8 index_copy_ on the CPU)."""
     rows = to_kv_cache(rows, cache.dtype)
-    if cache.dtype != rows.dtype or cache.element_size() == 1:
+    if cache.element_size() == 1:
         cache, rows = cache.view(torch.uint8), rows.contiguous().view(torch.uint8)
     cache.index_copy_(0, slots, rows)
 
