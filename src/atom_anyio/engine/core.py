@@ -72,7 +72,7 @@ class Engine:
         # per_block is a rank's (its shard of the KV heads); the size is all ranks' together, as vLLM's
         tier_gib = cfg.kv_offloading_size / cfg.tensor_parallel_size
         tier_slots = num_tier_slots(tier_gib, per_block) if cfg.enable_prefix_caching else 0
-        medium = tier_medium(next(loaded.model.parameters()).device)
+        medium = tier_medium(param.device)
         self.block_manager = BlockManager(
             num_blocks,
             cfg.block_size,

@@ -79,11 +79,17 @@ inline int bf16_slot_of_dim(int d, int D) {
   return block + (e < 4 ? 4 * lane + e : half + 4 * lane + e - 4);
 }
 
-inline void unpermute_rows(float* o, int rows, int D, float* tmp) {
+// each row of o back in dim order from where its accumulators kept dim d (slot(d): bf16_slot_of_dim
+// by default), times `scale` (a power of two: exact)
+template <class Slot>
+inline void unpermute_rows(float* o, int rows, int D, float* tmp, Slot slot, float scale = 1.f) {
   for (int r = 0; r < rows; ++r) {
-    for (int d = 0; d < D; ++d) tmp[d] = o[r * D + bf16_slot_of_dim(d, D)];
+    for (int d = 0; d < D; ++d) tmp[d] = o[r * D + slot(d)] * scale;
     std::memcpy(o + r * D, tmp, D * sizeof(float));
   }
+}
+inline void unpermute_rows(float* o, int rows, int D, float* tmp) {
+  unpermute_rows(o, rows, D, tmp, [D](int d) { return bf16_slot_of_dim(d, D); });
 }
 
 // one chunk of n keys for NR rows: scores, online softmax, values (q as bf16 pairs, unscaled).
@@ -466,14 +472,12 @@ struct Avx512Bf16Fp8 : Chunked<Avx512Bf16Fp8<C>, c10::BFloat16, C> {
   // rows had so far rescaled once), then every chunk's probabilities and values.
   static void decode(Scratch& s, const P& p, const Unit& u, const Span& span, Rows rows) {
     const int H = p.H, G = p.G, D = p.D, KVH = p.KVH, BS = p.BS;
-    const int nt = u.tokens(), num_rows = nt * H, group_rows = nt * G, first_pos = p.first_pos(u.seq);
+    const int nt = u.tokens(), num_rows = nt * H, group_rows = nt * G;
     constexpr int LD = SEG + KW;
-    for (int r = 0; r < num_rows; ++r) {
-      const int h = r / group_rows, i = u.q_begin + (r / G) % nt, g = r % G;
-      s.qpos[r] = first_pos + i;
-      const T* q = p.q + (int64_t(p.qstart[u.seq] + i) * H + h * G + g) * D;
+    for_unit_rows(p, u, [&](int r, int pos, const T* q) {
+      s.qpos[r] = pos;
       for (int d = 0; d < D; ++d) s.qrows[r * D + fp8_key_slot(d)] = T(float(q[d]) * FP8_UP);
-    }
+    });
     std::fill(s.sums.begin(), s.sums.begin() + num_rows * 16, 0.f);
     const int* table = p.tables + int64_t(u.seq) * p.max_blocks;
     // f(key0, n, slot, h) for each chunk of [lo, hi) (ChunkWalk) and kv head h; the lines of the chunk
@@ -554,11 +558,8 @@ struct Avx512Bf16Fp8 : Chunked<Avx512Bf16Fp8<C>, c10::BFloat16, C> {
         });
       });
     }
-    for (int r = 0; r < num_rows; ++r) {
-      rows.l[r] += _mm512_reduce_add_ps(_mm512_loadu_ps(&s.sums[r * 16]));
-      for (int d = 0; d < D; ++d) s.row[d] = rows.o[r * D + fp8_value_slot(d)] * FP8_UNDO<C>;
-      std::memcpy(rows.o + r * D, s.row.data(), D * sizeof(float));
-    }
+    for (int r = 0; r < num_rows; ++r) rows.l[r] += _mm512_reduce_add_ps(_mm512_loadu_ps(&s.sums[r * 16]));
+    unpermute_rows(rows.o, num_rows, D, s.row.data(), fp8_value_slot, FP8_UNDO<C>);
   }
 };
 

@@ -256,6 +256,17 @@ struct Ahead {
   }
 };
 
+// f(r, pos, q) for each row r of unit u (kv head major, then query token, then head of the group):
+// its query token's position and its query's D values
+template <typename T, typename C, class F>
+void for_unit_rows(const Problem<T, C>& p, const Unit& u, F&& f) {
+  const int nt = u.tokens(), group_rows = nt * p.G, first_pos = p.first_pos(u.seq);
+  for (int r = 0; r < nt * p.H; ++r) {
+    const int h = r / group_rows, i = u.q_begin + (r / p.G) % nt, g = r % p.G;
+    f(r, first_pos + i, p.q + (int64_t(p.qstart[u.seq] + i) * p.H + h * p.G + g) * p.D);
+  }
+}
+
 // A sequence's keys from `key` on, in chunks of up to KW that never cross a block, walked block by
 // block from one division: a division per chunk (its slot and its size by the block size, a
 // runtime value) cost more than a decode chunk's softmax (fp8's decode: 42 against 28 cycles a key
@@ -300,12 +311,10 @@ void attend_in_chunks(typename V::Scratch& s, const Problem<T, C>& p, const Unit
   const int nt = u.tokens(), num_rows = nt * H, group_rows = nt * G;
   const bool row_scores = p.partition == 0 && group_rows * 10 <= D;
   const bool staged = !(V::SCORES_FROM_KEYS && row_scores);
-  const int first_pos = p.first_pos(u.seq);
-  for (int r = 0; r < num_rows; ++r) {
-    const int h = r / group_rows, i = u.q_begin + (r / G) % nt, g = r % G;
-    s.qpos[r] = first_pos + i;
-    V::load_query(s, p, r, p.q + (int64_t(p.qstart[u.seq] + i) * H + h * G + g) * D);
-  }
+  for_unit_rows(p, u, [&](int r, int pos, const T* q) {
+    s.qpos[r] = pos;
+    V::load_query(s, p, r, q);
+  });
   const int* table = p.tables + int64_t(u.seq) * p.max_blocks;
   ChunkWalk walk(table, BS, span.lo, span.hi), ahead(table, BS, span.lo, span.hi);  // ahead: PREFETCH_CHUNKS on
   for (int i = 0; i < PREFETCH_CHUNKS && !ahead.done(); ++i) ahead.next();
