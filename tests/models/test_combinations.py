@@ -118,9 +118,10 @@ AMX_LINEAR, VEC_LINEAR = "linear_amx_bf16", "linear_avx512_bf16"
 )
 @pytest.mark.parametrize("rows", [1, 3, 5, 16, 100])
 def test_packed_bfloat16_linears_give_the_plain_gemms_result(tiny_q4_1, rows, layout):
-    """Each layout the packed linears take: oneDNN's gives F.linear's bits; the tile GEMM's (on AMX or
-    on AVX512-BF16) is within a bfloat16 rounding of them. Loaded in another layout, converting the
-    model to this one keeps the weights."""
+    """Each layout the packed linears take: oneDNN's gives F.linear's bits; the tile GEMM's (on AMX, or
+    on AVX512-BF16, GGUF blocks there in the blocks' chain) is within a bfloat16 rounding of them.
+    Loaded in another layout, converting the model to this one keeps the weights (a dense copy the
+    blocks' chain had dropped comes back from the blocks)."""
     tiles, amx = layout != "onednn", layout == "amx"
     loaded_as = {"amx": not amx} if kernels.has_amx_linears() else {}
     model = load_model(str(tiny_q4_1), "bfloat16", attention_backend="cpu", gguf_weights="both", **loaded_as).model
@@ -130,9 +131,11 @@ def test_packed_bfloat16_linears_give_the_plain_gemms_result(tiny_q4_1, rows, la
     float_layer = torch.nn.Linear(256, 96, bias=True).bfloat16()
     pack_bf16_linears(float_layer, tiles, amx)
     packed = "tile_weight" if tiles else "packed_weight"
+    chain = layout == "avx512_bf16"  # GGUF blocks in the blocks' chain, a float weight on bfloat16 tiles
     for layer in (quantized, model.lm_head, float_layer):
-        assert getattr(layer, packed) is not None, layer
-        assert getattr(layer, "packed_weight" if tiles else "tile_weight") is None, layer
+        expected = "tile_qweight" if chain and layer is not float_layer else packed
+        for name in ("tile_weight", "tile_qweight", "packed_weight"):
+            assert (getattr(layer, name, None) is not None) == (name == expected), (layer, name)
     # the packed copy replaces the dense one, which only an embedding's lookups keep
     assert quantized.weight.dense is None and model.model.embed_tokens.weight.dense is not None
     x = torch.randn(rows, 256).bfloat16()
@@ -144,6 +147,8 @@ def test_packed_bfloat16_linears_give_the_plain_gemms_result(tiny_q4_1, rows, la
             assert torch.equal(CpuOps.linear(x, float_layer), plain)
         if rows > CpuOps.MAX_GEMV_ROWS or tiles:  # without tiles, fewer rows stream the blocks through the GEMV
             got, want = CpuOps.linear(x, quantized), F.linear(x, weight)
+            if chain:  # the scales apply to exact sums: near the float32 weights' product, not the bfloat16 copy's
+                got, want = got.float(), F.linear(x.float(), quantized.weight.dequantize(torch.float32))
             if tiles:
                 torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-2)
             else:

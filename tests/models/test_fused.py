@@ -220,22 +220,61 @@ def test_served_greedy_tokens_equal_the_op_by_op_engines(tiny_ggufs):
 @needs_onednn_bf16
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_1, Q.Q4_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("step", ["one decode", "four decodes across block ends", "six decodes"])
-def test_fused_step_equals_the_op_by_op_path_for_a_gguf_at_the_defaults_on_onednn(tiny_ggufs, qtype, step):
-    """The default model's layout where auto picks bfloat16 without AMX (Zen 4, Zen 5; cpu_amx=false
-    forces it on AMX): 1-4 rows through the GEMV over the GGUF blocks, rounded back to bfloat16,
-    more through oneDNN's packed dense copy."""
-    model = load_model(tiny_ggufs[qtype], dtype="bfloat16", attention_backend="cpu", gguf_weights="both", amx=False)
+def test_fused_step_equals_the_op_by_op_path_for_a_gguf_on_onednn(tiny_ggufs, qtype, step):
+    """The default model's layout with bfloat16 without AMX and batch invariance off (Zen 4, Zen 5;
+    cpu_amx=false forces it on AMX): 1-4 rows through the GEMV over the GGUF blocks, rounded back to
+    bfloat16, more through oneDNN's packed dense copy."""
+    model = load_model(
+        tiny_ggufs[qtype],
+        dtype="bfloat16",
+        attention_backend="cpu",
+        gguf_weights="both",
+        amx=False,
+        batch_invariant=False,
+    )
     model = model.model
     down = model.model.layers[0].mlp.down_proj
     assert isinstance(down.weight, QuantizedWeight) and down.packed_weight is not None
     assert_same(model, step)
 
 
+needs_vector_tiles = pytest.mark.skipif(
+    not kernels.has_tile_linears(), reason="linear_avx512_bf16: no AVX512-BF16 on this CPU"
+)
+
+
+@needs_vector_tiles
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K], ids=lambda t: t.name)
+@pytest.mark.parametrize(
+    "step", ["one decode", "four decodes across block ends", "six decodes", "decodes and a chunk over a cached prefix"]
+)
+def test_fused_step_equals_the_op_by_op_path_for_a_gguf_at_the_defaults_without_amx(tiny_ggufs, qtype, step):
+    """The default model's layout where auto picks bfloat16 without AMX (Zen 4, Zen 5; cpu_amx=false
+    forces it on AMX): batch invariance on, every linear on the tile GEMM's vector variant at any row
+    count, Q4_0/Q4_1/Q8_0 blocks in the blocks' chain (their dense copies dropped, the embedding's
+    kept for its rows), Q4_K over its dense copy's tiles; the attention's fixed partition."""
+    loaded = load_model(tiny_ggufs[qtype], dtype="bfloat16", attention_backend="cpu", gguf_weights="both", amx=False)
+    model = loaded.model
+    assert loaded.plan.batch_invariant and loaded.plan.fused_decoder
+    down = model.model.layers[0].mlp.down_proj
+    chain = qtype != Q.Q4_K
+    assert (down.tile_qweight is not None, down.tile_weight is not None) == (chain, not chain)
+    assert down.weight.dense is None  # the tiles serve every row count
+    assert_same(model, step)
+
+
 @needs_onednn_bf16
 def test_a_gguf_without_dense_copies_in_bfloat16_on_onednn_runs_op_by_op(tiny_ggufs):
-    """gguf_weights=packed without the AMX GEMM: the layers' batched rows take bfloat16 slices
-    dequantized each step, which the fused decoder does not run; it says so."""
-    loaded = load_model(tiny_ggufs[Q.Q4_1], dtype="bfloat16", attention_backend="cpu", gguf_weights="packed", amx=False)
+    """gguf_weights=packed without the tile GEMM (batch invariance off, no AMX): the layers' batched
+    rows take bfloat16 slices dequantized each step, which the fused decoder does not run; it says so."""
+    loaded = load_model(
+        tiny_ggufs[Q.Q4_1],
+        dtype="bfloat16",
+        attention_backend="cpu",
+        gguf_weights="packed",
+        amx=False,
+        batch_invariant=False,
+    )
     decoder, why = fused.build(loaded.model)
     assert decoder is None and "not packed for oneDNN or the tile GEMM (layer 0)" in why
     assert not loaded.plan.fused_decoder and loaded.plan.fused_decoder_why == why
@@ -257,11 +296,11 @@ def test_served_greedy_tokens_equal_the_op_by_op_engines_in_bfloat16(tiny_ggufs)
     oneDNN's packed weights, not over the tiles): the greedy tokens are each one's op-by-op path's."""
     prompts = [[258, 72, 101, 108], [259, 97, 98, 99, 100, 101, 102, 103, 104, 105, 106], [260, 7]]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    for amx in (True, False):
+    for amx in (True, False):  # off: the vector variant, Q4_1 in the blocks' chain
         loaded = load_model(tiny_ggufs[Q.Q4_1], dtype="bfloat16", attention_backend="cpu", gguf_weights="both", amx=amx)
-        assert loaded.plan.fused_decoder and loaded.plan.tile_linears == amx
+        assert loaded.plan.fused_decoder and loaded.plan.tile_linears
         down = loaded.model.model.layers[0].mlp.down_proj
-        assert (down.tile_weight is not None, down.packed_weight is not None) == (amx, not amx)
+        assert (down.tile_weight is not None, down.tile_qweight is not None) == (amx, not amx)
         outputs = {}
         for use_fused in (True, False):
             llm = LLM(loaded, num_kv_blocks=64)

@@ -260,33 +260,46 @@ def test_a_sequences_logits_do_not_depend_on_batch_chunks_cache_or_async(request
         assert same(outputs(chunked, [*OTHERS[:4], TARGET])[-1], alone), f"chunks of {budget} behind others"
 
 
+# auto's invariance over the vector variant of the tile GEMM (AVX512-BF16 without AMX, or cpu_amx off)
+VECTOR_TILES = "vector tiles"
+
+
 @pytest.mark.parametrize(
     ("combination", "model", "engine", "on"),
     [
         pytest.param("bfloat16+both", "wide_gguf", {}, True, marks=needs_amx, id="amx"),
-        pytest.param("bfloat16+both", "wide_gguf", {"cpu_amx": False}, False, marks=needs_amx, id="cpu_amx-off"),
+        pytest.param("bfloat16+both", "wide_gguf", {"cpu_amx": False}, True, marks=needs_amx, id="cpu_amx-off"),
         pytest.param(
             "bfloat16+both", "wide_gguf", {"cpu_native_kernels": False}, False, marks=needs_amx, id="native-off"
         ),
-        # blocks without a dense copy: on the quantized tiles where the GEMM has them (Q4_1), else
-        # through the GEMV and dequantized slices (Q4_K)
-        pytest.param("bfloat16+packed", "wide_gguf", {}, True, marks=needs_amx, id="blocks-on-the-tiles"),
+        # GGUF blocks with a dense copy or without: on the tiles where the CPU has a tile GEMM (Q4_1's
+        # quantized tiles, or the blocks' chain without AMX), else through the GEMV (Q4_K)
+        pytest.param("bfloat16+both", "wide_gguf", {}, VECTOR_TILES, id="blocks-and-dense-copies"),
+        pytest.param("bfloat16+packed", "wide_gguf", {}, VECTOR_TILES, id="blocks-on-the-tiles"),
         pytest.param("bfloat16+packed", "wide_q4_k", {}, False, id="blocks-without-tiles"),
-        pytest.param("bfloat16+both", "tiny_gguf", {}, False, id="heads-16-wide"),
+        # heads 16 wide: the AMX attention does not take them; the vector variant's does
+        pytest.param("bfloat16+both", "tiny_gguf", {}, "vector tiles without AMX", id="heads-16-wide"),
         pytest.param("float32+both", "wide_gguf", {}, False, id="float32"),
     ],
 )
 def test_auto_turns_batch_invariance_on_only_where_it_costs_nothing(request, caplog, combination, model, engine, on):
-    """At the default, invariance is on where every linear runs on the AMX GEMM and the attention
-    on the tiles (bfloat16 on a CPU with AMX), and off wherever the GEMMs or the attention would pay
-    for it: turned off by a setting, linears without a dense copy (the GEMV over blocks), heads the
-    tiles do not take, float32, a CPU without AMX. The plan says which, and why, in one line."""
+    """At the default, invariance is on where every linear runs on the tile GEMM and the attention's
+    invariant form costs nothing: bfloat16 on a CPU with AMX (the AMX GEMM, the attention on the
+    tiles, heads it takes), or with AVX512-BF16 and no AMX (or cpu_amx off: the vector variant, GGUF
+    blocks in the blocks' chain); off wherever the GEMMs or the attention would pay for it: native
+    kernels off, blocks the tile GEMM has no tiles for (the GEMV), float32, a CPU without AVX512-BF16.
+    The plan says which, and why, in one line."""
     dtype, gguf_weights = CPU_COMBINATIONS[combination]
+    if on == VECTOR_TILES:
+        on = kernels.has_tile_linears()
+    elif on == "vector tiles without AMX":
+        on = kernels.has_tile_linears() and not kernels.has_amx_linears()
     path = request.getfixturevalue(model)
     llm = LLM(str(path), dtype=dtype, gguf_weights=gguf_weights, num_kv_blocks=64, **engine)
     backend, plan = llm.engine.worker.model.attention_backend, llm.loaded.plan
     assert backend.batch_invariant == plan.batch_invariant == on
-    assert plan.batch_invariant_why.startswith("bfloat16 on AMX" if on else "auto: off")
+    why = ("bfloat16 on AMX" if backend.on_amx_tiles else "bfloat16 on AVX512-BF16") if on else "auto: off"
+    assert plan.batch_invariant_why.startswith(why)
     assert backend.paged_prefill == (on or backend.name == "cpu_paged")
     assert llm.generate([TARGET[:40]], SamplingParams(max_tokens=2))[0].outputs[0].finish_reason == "length"
     said = [r.getMessage() for r in caplog.records if "model.plan" in r.getMessage()]

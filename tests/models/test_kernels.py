@@ -736,23 +736,50 @@ def test_tile_linears_equal_the_product_and_give_a_row_the_same_bits_in_any_batc
     assert tile_linear(x[:0], packed, n, b, amx).shape == (0, n)
 
 
-@pytest.mark.parametrize("amx", TILE_VARIANTS)
+@needs_amx_linears
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("n,k,bias", [(80, 96, True), (49, 576, False)])
-def test_tile_linears_over_gguf_blocks_give_the_dense_copys_bits(qtype, n, k, bias, amx):
-    """The tile GEMM over a layer's GGUF blocks, dequantized into the tiles as it goes, gives the bits
+def test_amx_linears_over_gguf_blocks_give_the_dense_copys_bits(qtype, n, k, bias):
+    """The AMX GEMM over a layer's GGUF blocks, dequantized into the tiles as it goes, gives the bits
     of the same GEMM over the layer's dense bfloat16 copy, at any row count (the blocks' dequantizing
-    rounds as the dense copy's does), on each variant."""
+    rounds as the dense copy's does)."""
     torch.manual_seed(0)
+    layer, dense = _quantized_tile_layer(qtype, n, k, bias, amx=True)
+    for rows in (1, 4, 16, 17, 300):
+        x = torch.randn(rows, k).bfloat16()
+        assert torch.equal(tile_qlinear(x, layer), tile_linear(x, dense, n, layer.bias, True)), f"{rows} rows"
+
+
+@pytest.mark.skipif(VEC_LINEAR not in kernels.native_kernels(), reason=f"{VEC_LINEAR}: no AVX512-BF16")
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("n,k,bias", [(80, 96, True), (49, 576, False), (40, 1536, True)])
+def test_vector_linears_over_gguf_blocks_run_the_blocks_chain_in_any_batch(qtype, n, k, bias):
+    """The vector variant over a layer's GGUF blocks (the blocks' chain: each block's pair products
+    of x and the integers, scaled by d, plus Q4_1's m times the block's sum of x) is within a bfloat16
+    rounding of the exact product over the dequantized float32 weights, and gives a row the same bits
+    whatever rows share its call: the few-row tiles (1-8 rows, four at a time) and the unpacked panel
+    (past 8, six rows by 1-4 column blocks) run one chain. A last column block cut short, a bias or
+    none; its bits are not the dense copy's (the scales apply to the sums, not to each weight)."""
+    torch.manual_seed(0)
+    layer, _ = _quantized_tile_layer(qtype, n, k, bias, amx=False)
+    x = torch.randn(300, k).bfloat16()
+    every = tile_qlinear(x, layer)
+    exact = x.double() @ layer.weight.dequantize(torch.float32).double().t()
+    exact = exact + (layer.bias.double() if bias else 0)
+    torch.testing.assert_close(every.double(), exact, rtol=2**-7, atol=1e-2)
+    for begin, end in [(0, 1), (5, 6), (3, 7), (0, 4), (0, 8), (1, 10), (0, 16), (13, 30), (7, 300)]:
+        assert torch.equal(tile_qlinear(x[begin:end], layer), every[begin:end]), f"rows {begin}:{end} differ"
+    assert tile_qlinear(x[:0], layer).shape == (0, n)
+
+
+def _quantized_tile_layer(qtype: str, n: int, k: int, bias: bool, amx: bool):
+    """A bfloat16 QuantLinear of random blocks with its quantized tiles, and its dense copy's tiles."""
     blocks, _ = random_quantized(n, k, gguf.GGMLQuantizationType[qtype])
     layer = QuantLinear(blocks.to(dtype=torch.bfloat16), has_bias=bias)
     if bias:
         layer.bias = torch.nn.Parameter(torch.randn(n).bfloat16())
     layer.tile_qweight, layer.tile_amx = pack_tile_qweight(layer.weight), amx
-    dense = pack_tile_weight(layer.weight.dequantize(torch.bfloat16))
-    for rows in (1, 4, 16, 17, 300):
-        x = torch.randn(rows, k).bfloat16()
-        assert torch.equal(tile_qlinear(x, layer), tile_linear(x, dense, n, layer.bias, amx)), f"{rows} rows"
+    return layer, pack_tile_weight(layer.weight.dequantize(torch.bfloat16))
 
 
 @needs_amx_linears

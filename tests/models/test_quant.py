@@ -233,12 +233,13 @@ def test_packed_gguf_stays_quantized_and_float32_dequantizes(tiny_chat_gguf, qty
 def test_auto_keeps_blocks_and_adds_a_dense_copy_for_batched_gemms(tiny_chat_gguf):
     """auto on this CPU: bfloat16 where it has native bfloat16, float32 elsewhere, and in either a
     dense copy beside the blocks (on the cpu backend in bfloat16 packed in its place, for the AMX
-    GEMM or oneDNN); ``both`` forces the copy, with the same bits."""
+    GEMM or oneDNN; without AMX the tile GEMM's blocks' chain reads the blocks, and the copy goes);
+    ``both`` forces the copy, with the same bits."""
     auto = load_model(tiny_chat_gguf[Q.Q4_1], dtype="auto").model
     layer = auto.model.layers[0].mlp.gate_up_proj
     assert isinstance(layer.weight, QuantizedWeight)
     assert layer.weight.dtype == (torch.bfloat16 if kernels.has_native_bf16() else torch.float32)
-    packed = [getattr(layer, name, None) for name in ("packed_weight", "tile_weight")]
+    packed = [getattr(layer, name, None) for name in ("packed_weight", "tile_weight", "tile_qweight")]
     assert layer.weight.dense is not None or any(p is not None for p in packed)
     both = load_model(tiny_chat_gguf[Q.Q4_1], dtype="bfloat16", gguf_weights="both", attention_backend="torch").model
     w = both.model.layers[0].mlp.gate_up_proj.weight

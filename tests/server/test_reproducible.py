@@ -1,6 +1,8 @@
 """The same request gives the same answer, through the real server on the default model with
 ``batch_invariant`` on: a seeded request at temperature 1 twice, alone and under a concurrent load,
-in every API; ``n`` seeded choices as a set; a greedy answer cold and then from the prefix cache."""
+in every API; ``n`` seeded choices as a set; a greedy answer cold and then from the prefix cache.
+Where auto turns invariance on (bfloat16 with AVX512-BF16: the tile GEMM), the server runs at its
+defaults; elsewhere (an AVX2-only CPU) it is asked for."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import openai
 import pytest
 from support_servers import Served, clean_env, free_port, running
 
+from atom_anyio import kernels
+
 STORY = [{"role": "user", "content": "Tell me a short story."}]
 COLORS = [{"role": "user", "content": "What is the most obvious color? Answer in one sentence."}]
 
@@ -20,9 +24,14 @@ COLORS = [{"role": "user", "content": "What is the most obvious color? Answer in
 @pytest.fixture(scope="module")
 def server(smollm2_path, tmp_path_factory) -> Iterator[Served]:
     port = free_port()
-    env = clean_env(batch_invariant="1", max_model_len="2048", kv_cache_gib="0.25", log_format="json")
+    by_default = kernels.has_tile_linears()
+    env = clean_env(max_model_len="2048", kv_cache_gib="0.25", log_format="json")
+    if not by_default:
+        env["ATOM_BATCH_INVARIANT"] = "1"
     cmd = [sys.executable, "-m", "hypercorn", "atom_anyio:app", "--bind", f"127.0.0.1:{port}"]
     with running(cmd, env, port, tmp_path_factory.mktemp("reproducible") / "hypercorn.log") as served:
+        plan = next(line for line in served.log().splitlines() if '"model.plan"' in line)
+        assert '"batch_invariant": true' in plan and ('"batch_invariant_requested": null' in plan) == by_default
         yield served
 
 

@@ -8,10 +8,12 @@ cores).
 ``build(model)`` returns the decoder when every part of the model runs on
 those kernels (the ``cpu`` attention backend; a dense MLP; one rank; float32
 activations with every linear float32 or GGUF blocks, or bfloat16 with every
-linear packed, as ``pack_bf16_linears`` leaves it: on the AMX GEMM at any row
-count, or oneDNN's packed weight, a GGUF layer's own blocks serving 1-4 rows),
-else None with the reason. The oneDNN form is what a CPU with AVX512-BF16 and
-no AMX (Zen 4, Zen 5) runs, and ``cpu_amx=false`` forces it on one with AMX.
+linear packed, as ``pack_bf16_linears`` leaves it: on the tile GEMM at any row
+count (AMX, or AVX512-BF16's vector variant, GGUF blocks there in the blocks'
+chain), or oneDNN's packed weight, a GGUF layer's own blocks serving 1-4 rows),
+else None with the reason. The vector tiles are what a CPU with AVX512-BF16 and
+no AMX (Zen 4, Zen 5) runs at the defaults (batch invariance on), and ``cpu_amx=false``
+forces them on one with AMX; the oneDNN form, with batch invariance off there.
 With ``batch_invariant`` in float32 it runs too, every linear through the
 GEMVs at any row count as ``BatchInvariantCpuOps`` runs them.
 The decoder holds the model's own weight tensors, not copies, and runs the
@@ -25,7 +27,7 @@ import torch
 from torch import nn
 
 from atom_anyio import kernels
-from atom_anyio.models.ops import BatchInvariantCpuOps, CpuOps
+from atom_anyio.models.ops import BatchInvariantCpuOps, CpuOps, on_tiles
 from atom_anyio.models.quant import BLOCKS, QuantizedWeight, slice_rows
 
 FLOAT = -1  # decoder.cpp's type of a float32 weight
@@ -45,7 +47,7 @@ def build(model: nn.Module) -> tuple[torch.ScriptObject | None, str | None]:
     if any(p.device.type != "cpu" for p in model.parameters()):
         return None, "weights off the CPU"
     bfloat16 = any(p.dtype != torch.float32 for p in model.parameters())
-    if invariant and bfloat16 and not all(getattr(m, "tile_weight", None) is not None for m in _linears(model)):
+    if invariant and bfloat16 and not all(on_tiles(m) for m in _linears(model)):
         return None, "batch invariance in bfloat16 off the tile GEMM (BatchInvariantCpuOps' 16-row tiles run op by op)"
     if bfloat16 and (why := _not_packed(model)):
         return None, f"weights other than float32 on the CPU, and bfloat16 {why}"
@@ -74,6 +76,9 @@ def build(model: nn.Module) -> tuple[torch.ScriptObject | None, str | None]:
         for slot, linear in enumerate((attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)):
             if bfloat16 and getattr(linear, "tile_weight", None) is not None:
                 decoder.set_tile_linear(slot, linear.tile_weight, linear.bias)
+                continue
+            if bfloat16 and getattr(linear, "tile_qweight", None) is not None:
+                decoder.set_tile_qlinear(slot, linear.tile_qweight, linear.weight.qtype.value, linear.bias)
                 continue
             if bfloat16:
                 w = linear.weight
@@ -112,10 +117,8 @@ def _not_packed(model: nn.Module) -> str | None:
     if any(p.dtype != torch.bfloat16 for p in model.parameters()):
         return "mixed with other dtypes"
     for n, linear in enumerate(_linears(model)):
-        if getattr(linear, "tile_weight", None) is not None:
+        if on_tiles(linear):
             continue
-        if getattr(linear, "tile_qweight", None) is not None:
-            return f"on the tile GEMM's quantized tiles (layer {n // 4})"
         if getattr(linear, "packed_weight", None) is None:
             return f"not packed for oneDNN or the tile GEMM (layer {n // 4})"
     return None

@@ -126,10 +126,12 @@ def load_planned(plan: ModelPlan, rank: int = 0) -> LoadedModel:
         quant.add_dense_copies(model)
     packed_bytes, tile_linears = 0, False
     if isinstance(backend.ops, CpuOps) and dtype == torch.bfloat16 and can_pack_bf16():
+        # auto may turn invariance on over the vector tiles (batch_invariant_auto_reason): they serve it
+        auto_may_invert = plan.batch_invariant_requested is None and may_be_auto_invariant(model)
         tile_linears = (
             plan.native_kernels
             and kernels.has_tile_linears()
-            and ((plan.amx and kernels.has_amx_linears()) or invariant)
+            and ((plan.amx and kernels.has_amx_linears()) or invariant or auto_may_invert)
         )
         packed_bytes = pack_bf16_linears(model, tile_linears, plan.amx)
     if plan.batch_invariant_requested is not None:
@@ -183,24 +185,32 @@ def read_model(plan: ModelPlan) -> tuple[tuple[ModelConfig, StateDict], tuple[An
     raise FileNotFoundError(f"model path {path!r} is neither a Hugging Face model directory nor a .gguf file")
 
 
+def may_be_auto_invariant(model: LlamaForCausalLM) -> bool:
+    """What auto's batch invariance needs beyond the linears: the ``cpu`` backend, one rank, a dense model."""
+    backend = model.attention_backend
+    return isinstance(backend, CpuPagedAttention) and model.tp.size == 1 and model.config.moe is None
+
+
 def batch_invariant_auto_reason(model: LlamaForCausalLM) -> str | None:
-    """Why ``batch_invariant`` at auto turns on for this model, or None: it costs nothing where every
-    linear runs on the AMX GEMM (one chain of tile products per output element whatever the row
-    count, at any row count the fastest here) and the attention on the AMX tiles, whose
-    batch-invariant form (keys split at fixed multiples, prefill through the kernel) serves at the
-    same speed (docs/performance.md: SmolLM2 at c16 on a Xeon with AMX, 154.2 against 152.4 out
-    tok/s). Elsewhere it stays a setting: the oneDNN and MKL GEMMs and the other attention
-    variants pay for it (docs/engine.md)."""
+    """Why ``batch_invariant`` at auto turns on for this model, or None: where every linear runs on
+    the tile GEMM (one chain per output element whatever the row count) and the attention's
+    batch-invariant form (keys split at fixed multiples, prefill through the kernel) serves near the
+    default's speed. On AMX: the AMX GEMM and the attention on the tiles, at no cost
+    (docs/performance.md: SmolLM2 at c16 on a Xeon with AMX, 154.2 against 152.4 out tok/s).
+    Without AMX (AVX512-BF16: a Zen 4 or 5, or ``cpu_amx=false``): the vector variant, GGUF blocks in
+    the blocks' chain, faster than the default at 1-16 rows and 1.1-1.2x its time in prefill
+    (docs/engine.md: 3-8% of SmolLM2's served output). Elsewhere it stays a setting: the oneDNN and
+    MKL GEMMs pay for it."""
     backend, cfg = model.attention_backend, model.config
-    if not isinstance(backend, CpuPagedAttention) or backend.batch_invariant or model.tp.size > 1:
+    if not may_be_auto_invariant(model) or backend.batch_invariant:
         return None
-    if cfg.moe is not None or not backend.on_amx_tiles:
-        return None
-    if cfg.head_dim % 64 or cfg.num_attention_heads // cfg.num_key_value_heads > 16:
-        return None  # the AMX attention's shapes (amx_fits in kernels/csrc/attention_amx.h)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear | quant.QuantLinear)]
     if not linears or not all(on_tiles(m) for m in linears):
         return None
+    if not backend.on_amx_tiles:
+        return "bfloat16 on AVX512-BF16: every linear on the tile GEMM (GGUF blocks in the blocks' chain)"
+    if cfg.head_dim % 64 or cfg.num_attention_heads // cfg.num_key_value_heads > 16:
+        return None  # the AMX attention's shapes (amx_fits in kernels/csrc/attention_amx.h)
     return "bfloat16 on AMX: every linear on the AMX GEMM and the attention on the tiles, invariant at no cost"
 
 

@@ -288,6 +288,7 @@ def pack_bf16_linears(model: torch.nn.Module, tiles: bool | None = None, amx: bo
     copies take."""
     if tiles is None:
         tiles = kernels.has_amx_linears()
+    chain = tiles and blocks_chain(amx)
     looked_up = {id(m.weight) for m in model.modules() if isinstance(m, quant.QuantEmbedding)}
     num_bytes = 0
     for m in model.modules():
@@ -295,7 +296,17 @@ def pack_bf16_linears(model: torch.nn.Module, tiles: bool | None = None, amx: bo
         if w is None or w.dtype != torch.bfloat16 or w.device.type != "cpu":
             continue
         quantized = isinstance(w, QuantizedWeight)
+        if chain and quantized and w.qtype in TILE_QTYPES:  # the blocks' chain reads the blocks, not a dense copy
+            m.dense_dropped = getattr(m, "dense_dropped", False) or w.dense is not None
+            m.tile_qweight, m.tile_amx, m.tile_weight, m.packed_weight = pack_tile_qweight(w), amx, None, None
+            num_bytes += m.tile_qweight.nbytes
+            if w.dense is not None and id(w) not in looked_up:
+                m.weight = replace(w, dense=None)
+            continue
         dense = w.dense if quantized else w
+        if dense is None and getattr(m, "dense_dropped", False):  # the blocks' chain had replaced it
+            dense = w.dequantize(torch.bfloat16)
+        m.dense_dropped = False
         if dense is None and getattr(m, "tile_weight", None) is not None:
             dense = unpack_tile_weight(m.tile_weight, w.shape[0])
         elif dense is None and getattr(m, "packed_weight", None) is not None:
@@ -317,6 +328,14 @@ def pack_bf16_linears(model: torch.nn.Module, tiles: bool | None = None, amx: bo
     if hasattr(model, "_fused"):  # a fused decoder built over the other layout: built again at the next step
         model._fused = None
     return num_bytes
+
+
+def blocks_chain(amx: bool) -> bool:
+    """Whether the tile GEMM runs its vector variant here (AVX512-BF16's pair products: no AMX built, or
+    ``amx`` off), whose quantized tiles are the blocks' chain (gemm.cpp): faster than the dense copy's
+    tiles at every row count up to 64 on a Zen 4, so GGUF blocks take them even where a dense copy
+    exists."""
+    return not (amx and kernels.has_amx_linears())
 
 
 def takes_quantized_tiles(w: torch.Tensor | QuantizedWeight) -> bool:

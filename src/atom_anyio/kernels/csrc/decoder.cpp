@@ -19,7 +19,8 @@
 // bfloat16 (`use_bfloat16`): activations, norms, embedding and caches bfloat16,
 // each linear as CpuOps runs it op by op: on the tile GEMM at any row count
 // (gemm.cpp, the weights packed as B tiles: on AMX, or AVX512-BF16's pair
-// products without it or with cpu_amx off), or on oneDNN's packed weight,
+// products without it or with cpu_amx off; GGUF blocks as quantized tiles,
+// which the vector variant runs in the blocks' chain), or on oneDNN's packed weight,
 // where a GGUF layer's 1-4 rows take the GEMV over
 // its blocks in float32 arithmetic, rounded back (quant.cpu_linear). The attention's
 // `partition` (batch invariance) comes with each step, as the op-by-op backend
@@ -71,12 +72,13 @@ struct Linear {
   int64_t slice_rows = 0;  // quantized, past the GEMV's rows: rows dequantized per GEMM (quant.slice_rows)
   at::Tensor dense;        // quantized: its float32 copy where the model keeps one (past the GEMV's rows, one GEMM)
   at::Tensor tiles;        // bfloat16: the weight as the tile GEMM's B tiles (ops.pack_tile_weight), any row count
+  at::Tensor qtiles;       // bfloat16: GGUF blocks of type qtype as its quantized tiles (ops.pack_tile_qweight)
   bool amx = false;        // tiles: on the AMX tiles (the decoder's amx), else AVX512-BF16's pair products
   at::Tensor onednn;       // bfloat16: the weight packed by oneDNN; past MAX_GEMV_ROWS, or at any count without blocks
   at::Tensor bias_f32;     // bfloat16 over blocks: the bias widened, as the qgemv op widens it
   bool any_rows = false;   // float32, batch-invariant: gemv / qgemv at any row count (BatchInvariantCpuOps)
 
-  bool set() const { return weight.defined() || tiles.defined() || onednn.defined(); }
+  bool set() const { return weight.defined() || tiles.defined() || qtiles.defined() || onednn.defined(); }
 
   // x [M, K] contiguous -> x W^T (+ b) [M, N], as CpuOps.linear computes it for M rows
   at::Tensor run(const at::Tensor& x) const {
@@ -84,6 +86,12 @@ struct Linear {
     if (tiles.defined()) {
       at::Tensor out = at::empty({M, N}, x.options());
       atom::tile_linear_bf16(out, x, tiles, bias.defined() ? c10::optional<at::Tensor>(bias) : c10::nullopt, amx);
+      return out;
+    }
+    if (qtiles.defined()) {
+      at::Tensor out = at::empty({M, N}, x.options());
+      atom::tile_qlinear_bf16(out, x, qtiles, qtype, bias.defined() ? c10::optional<at::Tensor>(bias) : c10::nullopt,
+                              amx);
       return out;
     }
     if (onednn.defined()) {
@@ -219,6 +227,19 @@ class Decoder : public torch::CustomClassHolder {
                     packed.size(0) == (lin.N + 15) / 16 && packed.size(1) * 32 == lin.K,
                 "Decoder: linear ", slot, " must be packed as B tiles for [", lin.N, ", ", lin.K, "]");
     lin.tiles = packed;
+    lin.amx = amx_;
+    if (bias.has_value()) check_param(*bias, dtype_, lin.N, "bias"), lin.bias = *bias;
+  }
+
+  // slot's weight (last layer added) as GGUF blocks of type qtype packed as the tile GEMM's quantized tiles
+  // [ceil(N/16)][K/32][bytes] (ops.pack_tile_qweight), bias bfloat16
+  void set_tile_qlinear(int64_t slot, const at::Tensor& packed, int64_t qtype, const c10::optional<at::Tensor>& bias) {
+    TORCH_CHECK(dtype_ == at::kBFloat16, "Decoder: tile linears run in bfloat16 (use_bfloat16)");
+    Linear& lin = slot_linear(slot, "set_tile_qlinear");
+    TORCH_CHECK(packed.is_contiguous() && packed.scalar_type() == at::kByte && packed.dim() == 3 &&
+                    packed.size(0) == (lin.N + 15) / 16 && packed.size(1) * 32 == lin.K,
+                "Decoder: linear ", slot, " must be packed as quantized tiles for [", lin.N, ", ", lin.K, "]");
+    lin.qtiles = packed, lin.qtype = qtype;
     lin.amx = amx_;
     if (bias.has_value()) check_param(*bias, dtype_, lin.N, "bias"), lin.bias = *bias;
   }
@@ -443,6 +464,7 @@ void atom::register_decoder(torch::Library& m) {
       .def("use_bfloat16", &Decoder::use_bfloat16)
       .def("use_batch_invariant", &Decoder::use_batch_invariant)
       .def("set_tile_linear", &Decoder::set_tile_linear)
+      .def("set_tile_qlinear", &Decoder::set_tile_qlinear)
       .def("set_onednn_linear", &Decoder::set_onednn_linear)
       .def("set_embedding", &Decoder::set_embedding)
       .def("set_norm", &Decoder::set_norm)

@@ -62,6 +62,9 @@ void store_kv_row(void* dst, at::ScalarType cache, const S* src, int64_t n);
 // the AMX tiles where built and lent, else AVX512-BF16's pair products)
 void tile_linear_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
                       const c10::optional<at::Tensor>& bias, bool amx);
+// the atom::tile_qlinear op (W as GGUF blocks of type qtype packed by ops.pack_tile_qweight)
+void tile_qlinear_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, int64_t qtype,
+                       const c10::optional<at::Tensor>& bias, bool amx);
 
 }  // namespace atom
 
