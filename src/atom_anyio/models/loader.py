@@ -127,11 +127,11 @@ def load_planned(plan: ModelPlan, rank: int = 0) -> LoadedModel:
     packed_bytes, tile_linears = 0, False
     if isinstance(backend.ops, CpuOps) and dtype == torch.bfloat16 and can_pack_bf16():
         # auto may turn invariance on over the vector tiles (batch_invariant_auto_reason): they serve it
-        auto_may_invert = plan.batch_invariant_requested is None and may_be_auto_invariant(model)
+        auto_may_turn_on = plan.batch_invariant_requested is None and may_be_auto_invariant(model)
         tile_linears = (
             plan.native_kernels
             and kernels.has_tile_linears()
-            and ((plan.amx and kernels.has_amx_linears()) or invariant or auto_may_invert)
+            and ((plan.amx and kernels.has_amx_linears()) or invariant or auto_may_turn_on)
         )
         packed_bytes = pack_bf16_linears(model, tile_linears, plan.amx)
     if plan.batch_invariant_requested is not None:
@@ -198,9 +198,9 @@ def batch_invariant_auto_reason(model: LlamaForCausalLM) -> str | None:
     default's speed. On AMX: the AMX GEMM and the attention on the tiles, at no cost
     (docs/performance.md: SmolLM2 at c16 on a Xeon with AMX, 154.2 against 152.4 out tok/s).
     Without AMX (AVX512-BF16: a Zen 4 or 5, or ``cpu_amx=false``): the vector variant, GGUF blocks in
-    the blocks' chain, faster than the default at 1-16 rows and 1.1-1.2x its time in prefill
-    (docs/engine.md: 3-8% of SmolLM2's served output). Elsewhere it stays a setting: the oneDNN and
-    MKL GEMMs pay for it."""
+    the blocks' chain, faster than the default at 1-16 rows and 1.2x its time in prefill
+    (docs/engine.md: 7% of SmolLM2's served output at one stream, 7-17% at c16). Elsewhere it stays
+    a setting: the oneDNN and MKL GEMMs pay for it."""
     backend, cfg = model.attention_backend, model.config
     if not may_be_auto_invariant(model) or backend.batch_invariant:
         return None

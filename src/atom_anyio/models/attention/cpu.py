@@ -17,6 +17,11 @@ from atom_anyio.models.ops import BatchInvariantCpuOps, CpuOps
 # the unsplit call, 2048 0.98x), and small enough that a few long decodes still split over the threads
 INVARIANT_PARTITION = 2048
 AMX_FRESH_PREFILL_MAX = 1024  # a fresh prompt's chunk this long or longer goes to SDPA under amx_prefill
+# a step whose every chunk has at most this many rows runs wholly in the kernel, without paged_prefill
+# too: speculation's verifying chunks (num_speculative_tokens + 1 rows, suffix's default 25), where
+# gathering each chunk's context for SDPA, and the op-by-op path beside the fused decoder, cost a
+# verifying step of SmolLM2 (float32, AVX2 build on a Zen 4) about six plain decodes
+SHORT_CHUNK_ROWS = 32
 
 
 class CpuPagedAttention:
@@ -69,7 +74,7 @@ class CpuPagedAttention:
 
     def runs_in_kernel(self, meta: AttentionMetadata) -> bool:
         """Whether the kernel runs the whole step (what the fused decoder, which has only the kernel, can match)."""
-        if self.paged_prefill or meta.num_decode == meta.num_seqs:
+        if self.paged_prefill or meta.num_decode == meta.num_seqs or meta.max_query_len <= SHORT_CHUNK_ROWS:
             return True
         if not (self.amx_prefill and self.on_amx_tiles):
             return False
