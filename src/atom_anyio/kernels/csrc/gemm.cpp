@@ -50,66 +50,46 @@ constexpr int64_t Q4_TILE_BYTES = 16 * 16 + 2 * 16 * 2, Q8_TILE_BYTES = 16 * 32 
 
 inline int64_t qtile_bytes(int64_t type) { return type == Q8_0 ? Q8_TILE_BYTES : Q4_TILE_BYTES; }
 
-// a quantized tile's scales in the order of a row's lanes (columns 0-7 twice each, then 8-15): d and
-// (Q4_1) m of the 16 columns, from float16
-struct QScales {
-  __m512 d0, d1, m0, m1;
-};
+// where a tile's scales begin: after its 16 rows of weights
+constexpr int64_t q_scales_at(int64_t type) { return type == Q8_0 ? 16 * 32 : 16 * 16; }
 
-template <int64_t Type>
-inline QScales qtile_scales(const uint8_t* src) {
-  constexpr int64_t scales = Type == Q8_0 ? 16 * 32 : 16 * 16;
+// one packed tile of type `type` into 16 rows of 32 bfloat16 (1 KB)
+inline void dequantize_tile(int64_t type, const uint8_t* src, c10::BFloat16* dst) {
+  const int64_t scales = q_scales_at(type);
+  const __m512 d16 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + scales)));
+  // lanes in the row's order: columns 0-7 twice each, then 8-15
   const __m512i lo_cols = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
   const __m512i hi_cols = _mm512_add_epi32(lo_cols, _mm512_set1_epi32(8));
-  const __m512 d16 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + scales)));
-  QScales s{_mm512_permutexvar_ps(lo_cols, d16), _mm512_permutexvar_ps(hi_cols, d16), _mm512_setzero_ps(),
-            _mm512_setzero_ps()};
-  if constexpr (Type == Q4_1) {
+  const __m512 d0 = _mm512_permutexvar_ps(lo_cols, d16), d1 = _mm512_permutexvar_ps(hi_cols, d16);
+  __m512 m0 = _mm512_setzero_ps(), m1 = m0;
+  if (type == Q4_1) {
     const __m512 m16 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + scales + 32)));
-    s.m0 = _mm512_permutexvar_ps(lo_cols, m16), s.m1 = _mm512_permutexvar_ps(hi_cols, m16);
+    m0 = _mm512_permutexvar_ps(lo_cols, m16), m1 = _mm512_permutexvar_ps(hi_cols, m16);
   }
-  return s;
-}
-
-// row r of a quantized tile as 16 columns' dim pairs in bfloat16 (the B tile's row r)
-template <int64_t Type>
-inline __m512bh dequantize_row(const uint8_t* src, int r, const QScales& s) {
-  __m512 q0, q1;
-  if constexpr (Type == Q8_0) {
-    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + r * 32));
-    q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
-    q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
-  } else {
-    const __m128i low4 = _mm_set1_epi8(0x0F);
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + r * 16));
-    const __m128i lo = _mm_and_si128(b, low4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
-    q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)));
-    q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi)));
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  const __m512 eight = _mm512_set1_ps(8.f);
+  for (int r = 0; r < 16; ++r) {
+    __m512 q0, q1;
+    if (type == Q8_0) {
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + r * 32));
+      q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
+      q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
+    } else {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + r * 16));
+      const __m128i lo = _mm_and_si128(b, low4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
+      q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)));
+      q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi)));
+    }
+    __m512 w0, w1;
+    if (type == Q4_1) {
+      w0 = _mm512_add_ps(_mm512_mul_ps(d0, q0), m0), w1 = _mm512_add_ps(_mm512_mul_ps(d1, q1), m1);
+    } else if (type == Q4_0) {
+      w0 = _mm512_mul_ps(d0, _mm512_sub_ps(q0, eight)), w1 = _mm512_mul_ps(d1, _mm512_sub_ps(q1, eight));
+    } else {
+      w0 = _mm512_mul_ps(d0, q0), w1 = _mm512_mul_ps(d1, q1);
+    }
+    _mm512_storeu_si512(dst + r * 32, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(w1, w0)));
   }
-  __m512 w0, w1;
-  if constexpr (Type == Q4_1) {
-    w0 = _mm512_add_ps(_mm512_mul_ps(s.d0, q0), s.m0), w1 = _mm512_add_ps(_mm512_mul_ps(s.d1, q1), s.m1);
-  } else if constexpr (Type == Q4_0) {
-    const __m512 eight = _mm512_set1_ps(8.f);
-    w0 = _mm512_mul_ps(s.d0, _mm512_sub_ps(q0, eight)), w1 = _mm512_mul_ps(s.d1, _mm512_sub_ps(q1, eight));
-  } else {
-    w0 = _mm512_mul_ps(s.d0, q0), w1 = _mm512_mul_ps(s.d1, q1);
-  }
-  return _mm512_cvtne2ps_pbh(w1, w0);
-}
-
-// one packed tile into 16 rows of 32 bfloat16 (1 KB)
-template <int64_t Type>
-inline void dequantize_tile(const uint8_t* src, c10::BFloat16* dst) {
-  const QScales s = qtile_scales<Type>(src);
-  for (int r = 0; r < 16; ++r)
-    _mm512_storeu_si512(dst + r * 32, reinterpret_cast<__m512i>(dequantize_row<Type>(src, r, s)));
-}
-
-inline void dequantize_tile(int64_t type, const uint8_t* src, c10::BFloat16* dst) {
-  if (type == Q4_1) return dequantize_tile<Q4_1>(src, dst);
-  if (type == Q4_0) return dequantize_tile<Q4_0>(src, dst);
-  dequantize_tile<Q8_0>(src, dst);
 }
 
 // one output row's 16 columns of a block (`live` of them): the float32 accumulator plus the bias, one rounding
@@ -121,6 +101,25 @@ inline void store_row(c10::BFloat16* out, __m512 acc, __m512 bias, __mmask16 liv
 // the bias of `live` columns from `bias` (nullptr: none)
 inline __m512 bias_lanes(const float* bias, __mmask16 live) {
   return bias ? _mm512_maskz_loadu_ps(live, bias) : _mm512_setzero_ps();
+}
+
+// rows 0 .. MR - 1's accumulators acc(i, j) for column blocks n0 / 16 .. + NR - 1 (of N columns), each
+// plus the bias and rounded once into O (row stride N): the vector tiles' end
+template <int MR, int NR, typename Acc>
+inline void store_rows(c10::BFloat16* O, int64_t N, int64_t n0, const float* bias, Acc acc) {
+  for (int j = 0; j < NR; ++j) {
+    const int64_t n = n0 + j * 16, cols = std::min<int64_t>(16, N - n);
+    const __mmask16 live = __mmask16((1u << cols) - 1);
+    const __m512 b = bias_lanes(bias ? bias + n : nullptr, live);
+    for (int i = 0; i < MR; ++i) store_row(O + i * N + n, acc(i, j), b, live);
+  }
+}
+
+// the dim pair at x (two bfloat16) in every lane, as vdpbf16ps takes it
+inline __m512bh x_pair(const c10::BFloat16* x) {
+  int32_t pair;
+  std::memcpy(&pair, x, sizeof pair);
+  return reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
 }
 
 // the bfloat16 tiles as packed: nothing to do but point at them
@@ -181,9 +180,7 @@ void vec_tile(c10::BFloat16* O, int64_t N, const c10::BFloat16* X, int64_t K, co
     for (int j = 0; j < NR; ++j)
       w[j] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(panel + j * stride + p * 64));
     for (int i = 0; i < MR; ++i) {
-      int32_t pair;
-      std::memcpy(&pair, X + i * K + 2 * p, sizeof pair);
-      const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+      const __m512bh a = x_pair(X + i * K + 2 * p);
       for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], a, w[j]);
     }
   }
@@ -192,12 +189,7 @@ void vec_tile(c10::BFloat16* O, int64_t N, const c10::BFloat16* X, int64_t K, co
       for (int j = 0; j < NR; ++j) _mm512_store_ps(park + (i * NR + j) * 16, acc[i][j]);
     return;
   }
-  for (int j = 0; j < NR; ++j) {
-    const int64_t n = n0 + j * 16, cols = std::min<int64_t>(16, N - n);
-    const __mmask16 live = __mmask16((1u << cols) - 1);
-    const __m512 b = bias_lanes(bias ? bias + n : nullptr, live);
-    for (int i = 0; i < MR; ++i) store_row(O + i * N + n, acc[i][j], b, live);
-  }
+  store_rows<MR, NR>(O, N, n0, bias, [&](int i, int j) { return acc[i][j]; });
 }
 
 using VecTile = void (*)(c10::BFloat16*, int64_t, const c10::BFloat16*, int64_t, const char*, int64_t, int64_t,
@@ -298,17 +290,14 @@ inline __m512bh q_row(const uint8_t* tile, int r, const QIndex& c) {
   }
 }
 
-template <int64_t Type>
-constexpr int64_t q_scales_at = Type == Q8_0 ? 16 * 32 : 16 * 16;
-
 // the block's d (and Q4_1's m) of the tile's 16 columns
 template <int64_t Type>
 inline __m512 tile_d(const uint8_t* tile) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + q_scales_at<Type>)));
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + q_scales_at(Type))));
 }
 template <int64_t Type>
 inline __m512 tile_m(const uint8_t* tile) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + q_scales_at<Type> + 32)));
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + q_scales_at(Type) + 32)));
 }
 
 // x's block sums, [M][K/32]: each row's own, in one order (the 32 values widened, the halves added, then
@@ -345,11 +334,7 @@ void q_tile_few(c10::BFloat16* O, int64_t N, const c10::BFloat16* X, int64_t K, 
       for (int j = 0; j < NR; ++j) s[i][j] = _mm512_setzero_ps();
     for (int r = 0; r < 16; ++r) {
       __m512bh a[MR];
-      for (int i = 0; i < MR; ++i) {
-        int32_t pair;
-        std::memcpy(&pair, X + i * K + kb * 32 + 2 * r, sizeof pair);
-        a[i] = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
-      }
+      for (int i = 0; i < MR; ++i) a[i] = x_pair(X + i * K + kb * 32 + 2 * r);
       for (int j = 0; j < NR; ++j) {
         const __m512bh w = q_row<Type>(t[j], r, c);
         for (int i = 0; i < MR; ++i) s[i][j] = _mm512_dpbf16_ps(s[i][j], a[i], w);
@@ -364,12 +349,7 @@ void q_tile_few(c10::BFloat16* O, int64_t N, const c10::BFloat16* X, int64_t K, 
       }
     }
   }
-  for (int j = 0; j < NR; ++j) {
-    const int64_t n = (nb0 + j) * 16, cols = std::min<int64_t>(16, N - n);
-    const __mmask16 live = __mmask16((1u << cols) - 1);
-    const __m512 b = bias_lanes(bias ? bias + n : nullptr, live);
-    for (int i = 0; i < MR; ++i) store_row(O + i * N + n, y[i][j], b, live);
-  }
+  store_rows<MR, NR>(O, N, nb0 * 16, bias, [&](int i, int j) { return y[i][j]; });
 }
 
 template <int MR, int64_t Type>
@@ -422,9 +402,7 @@ void q_tile_many(c10::BFloat16* O, int64_t N, const c10::BFloat16* X, int64_t K,
       __m512bh w[NR];
       for (int j = 0; j < NR; ++j) w[j] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(q + j * KB * 512 + r * 32));
       for (int i = 0; i < MR; ++i) {
-        int32_t pair;
-        std::memcpy(&pair, X + i * K + kb * 32 + 2 * r, sizeof pair);
-        const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+        const __m512bh a = x_pair(X + i * K + kb * 32 + 2 * r);
         for (int j = 0; j < NR; ++j) s[i][j] = _mm512_dpbf16_ps(s[i][j], a, w[j]);
       }
     }
@@ -439,12 +417,7 @@ void q_tile_many(c10::BFloat16* O, int64_t N, const c10::BFloat16* X, int64_t K,
       }
     }
   }
-  for (int j = 0; j < NR; ++j) {
-    const int64_t n = n0 + j * 16, cols = std::min<int64_t>(16, N - n);
-    const __mmask16 live = __mmask16((1u << cols) - 1);
-    const __m512 b = bias_lanes(bias ? bias + n : nullptr, live);
-    for (int i = 0; i < MR; ++i) store_row(O + i * N + n, _mm512_load_ps(park + (i * NR + j) * 16), b, live);
-  }
+  store_rows<MR, NR>(O, N, n0, bias, [&](int i, int j) { return _mm512_load_ps(park + (i * NR + j) * 16); });
 }
 
 template <int64_t Type>
@@ -686,8 +659,9 @@ void tile_gemm(at::Tensor& out, const at::Tensor& x, int64_t NB, int64_t KB, con
     if (source.type == Q4_1) return q_gemm<Q4_1>(out, x, NB, bias, source);
     if (source.type == Q4_0) return q_gemm<Q4_0>(out, x, NB, bias, source);
     return q_gemm<Q8_0>(out, x, NB, bias, source);
+  } else {
+    vec_gemm(out, x, NB, KB, bias, source);
   }
-  vec_gemm(out, x, NB, KB, bias, source);
 }
 #endif
 
