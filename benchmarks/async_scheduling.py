@@ -87,6 +87,7 @@ def bench_model(name: str, path: str | None, args) -> dict:
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "num_threads": args.num_threads,
+        "speculative_config": "off",  # auto drafts only beside synchronous steps: the same work in both
     }
     llms = {setting: LLM(loaded, async_scheduling=setting, **cfg) for setting in (False, True)}
     clocks = {setting: StepClock(llm) for setting, llm in llms.items()}

@@ -48,7 +48,7 @@ def out_tok_s(llm: LLM, texts: list[str], max_tokens: int) -> float:
 
 def measure(dtype: str, weights: str, args) -> dict:
     loaded = load_model(None, dtype, "cpu", None, 1, gguf_weights=weights)
-    llm = LLM(loaded)
+    llm = LLM(loaded, speculative_config="off")  # auto drafts only where invariant: layouts alone here
     out_tok_s(llm, prompts(2, 32, seed=99), 4)  # warm-up
     batched = out_tok_s(llm, prompts(args.batch, args.prompt_len, seed=1), args.output_len)
     single = out_tok_s(llm, prompts(1, 200, seed=2), args.single_len)

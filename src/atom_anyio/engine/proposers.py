@@ -93,22 +93,65 @@ class SuffixStore:
         self.outputs.move_to_end(ids[int(np.searchsorted(starts, position, side="right")) - 1])
 
 
+def occurrences(hay: np.ndarray, pattern: np.ndarray, limit: int) -> tuple[int, np.ndarray]:
+    """The longest suffix of ``pattern`` that occurs in ``hay`` ending before index ``limit``, and
+    where every occurrence of it ends (exclusive, ascending); (0, empty) if not even its last token does."""
+    ends = np.flatnonzero(hay[:limit] == pattern[-1]) + 1
+    length, best = 1, ends
+    for j in range(1, len(pattern)):
+        ends = ends[ends > j]
+        ends = ends[hay[ends - 1 - j] == pattern[-1 - j]]
+        if not ends.size:
+            break
+        length, best = j + 1, ends
+    return (length, best) if best.size else (0, best)
+
+
+def follow(hay: np.ndarray, ends: np.ndarray, k: int, min_prob: float) -> tuple[float, list[int]]:
+    """Suffix decoding's draft from the places after a match (``ends``): token by token the most
+    frequent next token there (the most recent on a tie), while its estimated probability (the
+    share of the places continuing with it, times the previous token's) is at least ``min_prob``;
+    the places that end (the hay's end, a separator) count against it. Returns the draft's score,
+    the sum of those probabilities (its expected accepted tokens), and the draft."""
+    draft: list[int] = []
+    prob = score = 0.0
+    for _ in range(k):
+        total = ends.size
+        ends = ends[ends < len(hay)]
+        nxt = hay[ends]
+        ends, nxt = ends[nxt != SEPARATOR], nxt[nxt != SEPARATOR]
+        if not nxt.size:
+            break
+        tokens, counts = np.unique(nxt, return_counts=True)
+        top = tokens[counts == counts.max()]
+        token = nxt[np.flatnonzero(np.isin(nxt, top))[-1]] if top.size > 1 else top[0]
+        share = float(counts.max()) / total
+        prob = share if not draft else prob * share
+        if prob < min_prob:
+            break
+        draft.append(int(token))
+        score += prob
+        ends = ends[nxt == token] + 1
+    return score, draft
+
+
 def suffix_draft(
-    tokens: np.ndarray, store: SuffixStore, k: int, max_depth: int, spec_factor: float
+    tokens: np.ndarray, store: SuffixStore, k: int, max_depth: int, spec_factor: float, min_prob: float = 0.0
 ) -> tuple[int, list[int]]:
-    """Suffix matching over the sequence's own tokens and the store: the longer match wins (its
-    own on a tie), and a match of n tokens proposes at most ``ceil(spec_factor * n)`` of ``k``."""
+    """Suffix decoding over the sequence's own tokens and the store's outputs: in each, the longest
+    match of the last tokens (at most ``max_depth``) and ``follow``'s draft from its occurrences,
+    at most ``ceil(spec_factor * n)`` of ``k`` tokens for a match of n; the draft of the higher
+    score wins (its own on a tie). Returns (the winning match's length, its draft)."""
     if len(tokens) < 2 or k < 1:
         return 0, []
     pattern = tokens[-min(max_depth, len(tokens) - 1) :]
-    n, start = longest_match(tokens, pattern, 1, len(tokens) - 1)
-    hay = tokens
+    n, ends = occurrences(tokens, pattern, len(tokens) - 1)
+    score, draft = follow(tokens, ends, min(k, math.ceil(spec_factor * n)), min_prob) if n else (0.0, [])
     corpus, _, _ = store.corpus()
     if corpus.size:
-        m, after = longest_match(corpus, tokens[-min(max_depth, len(tokens)) :], 1, len(corpus))
-        if m > n and corpus[after] != SEPARATOR:  # a longer match with something after it
-            n, start, hay = m, after, corpus
-            store.touch(after - 1)
-    if not n:
-        return 0, []
-    return n, continuation(hay, start, min(k, math.ceil(spec_factor * n)))
+        m, ends = occurrences(corpus, tokens[-min(max_depth, len(tokens)) :], len(corpus))
+        their_score, theirs = follow(corpus, ends, min(k, math.ceil(spec_factor * m)), min_prob) if m else (0.0, [])
+        if their_score > score:
+            n, draft = m, theirs
+            store.touch(int(ends[-1]) - 1)
+    return (n, draft) if draft else (0, [])

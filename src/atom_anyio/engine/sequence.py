@@ -10,6 +10,8 @@ from array import array
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from atom_anyio.engine.wind_down import WIND_DOWN_TOKENS, Closing
 
 if TYPE_CHECKING:
@@ -92,6 +94,8 @@ class Sequence:
         self.num_steps_without_draft = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        self.draft_context: np.ndarray | None = None  # token_ids as int64 for the drafts, spare room after
+        self.num_draft_context = 0  # of token_ids, copied there
         _alive.add(self)
 
     def __len__(self) -> int:

@@ -49,6 +49,7 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 1000  # suffix: outputs kept in the store
     suffix_decoding_max_cached_tokens: int = 262_144  # suffix: tokens kept in the store
     suffix_decoding_max_spec_factor: float = 1.0  # suffix: a match of n tokens drafts at most factor * n
+    suffix_decoding_min_token_prob: float = 0.1  # suffix: a draft token's least estimated probability
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -78,13 +79,21 @@ class SpeculativeConfig:
                 "speculative_config: suffix_decoding_max_cached_requests must be >= 0 "
                 "and suffix_decoding_max_spec_factor > 0"
             )
+        prob = self.suffix_decoding_min_token_prob
+        if isinstance(prob, bool) or not isinstance(prob, int | float) or not 0 <= prob <= 1:
+            raise ValueError(f"speculative_config: suffix_decoding_min_token_prob must be in [0, 1], not {prob!r}")
 
     @classmethod
-    def from_json(cls, text: str | dict[str, Any] | None) -> SpeculativeConfig | None:
-        """From the setting's JSON text (or its object); None for empty. Raises ValueError naming
-        a bad key or value."""
+    def from_json(cls, text: str | dict[str, Any] | None) -> SpeculativeConfig | str | None:
+        """From the setting's JSON text (or its object); ``AUTO`` for "auto", None for empty or
+        "off". Raises ValueError naming a bad key or value."""
+        word = text.strip().lower() if isinstance(text, str) else None
+        if word in ("auto", "off", "none", ""):
+            return AUTO if word == "auto" else None
         if not text:
             return None
+        if word is not None and not word.startswith("{"):
+            raise ValueError(f'speculative_config: "auto", "off" or a JSON object, not {text!r}')
         raw = text if isinstance(text, dict) else json_object(text)
         known = [f.name for f in fields(cls)]
         for key in raw:
@@ -95,10 +104,26 @@ class SpeculativeConfig:
         return cls(**raw)
 
 
-def speculator_for(cfg: SpeculativeConfig | None, async_scheduling: bool, exact: bool) -> Speculator | None:
+AUTO = "auto"  # the setting's default: AUTO_CONFIG where a verifying step is exact, else off
+# auto's speculation (docs/engine.md, "Speculative decoding"): suffix drafts for a lone stream, only
+# tokens whose estimated probability is at least one half (a draft token on a CPU costs about a
+# fifth of a decode step: 0.1, vLLM's default, slowed prose), at most 24 of them (vLLM's suffix default)
+AUTO_CONFIG = {"method": "suffix", "disable_by_batch_size": 1, "suffix_decoding_min_token_prob": 0.5}
+
+
+def speculator_for(cfg: SpeculativeConfig | str | None, async_scheduling: bool, exact: bool) -> Speculator | None:
     """Speculative decoding, where configured and where it runs: not beside async scheduling, whose
     step in flight would have to guess how many of a draft's tokens its successor starts after.
-    ``exact``: a verifying step gives a plain decode's bits (batch-invariant kernels)."""
+    ``exact``: a verifying step gives a plain decode's bits (batch-invariant kernels). ``AUTO``:
+    ``AUTO_CONFIG`` where exact and not beside async scheduling, else off (logged)."""
+    if cfg == AUTO:
+        if not exact or async_scheduling:
+            why = "async_scheduling" if async_scheduling else "not exact: batch invariance is off"
+            log.info("spec_decode.off", reason=f"auto: {why}")
+            return None
+        cfg = SpeculativeConfig(**AUTO_CONFIG)
+        log.info("spec_decode.on", auto=True, exact=exact, **dataclasses.asdict(cfg))
+        return Speculator(cfg)
     if cfg is None:
         return None
     if async_scheduling:
@@ -151,13 +176,13 @@ class Speculator:
         k = min(seq.num_speculative_tokens or self.max_tokens, limit, num_left - 1)
         if k < 1 or seq.reasoning_budget is not None or (seq.matcher is not None and seq.grammar_gate):
             return []
-        tokens = np.asarray(seq.token_ids, dtype=np.int64)
+        tokens = draft_context(seq)
         cfg = self.cfg
         if self.store is None:
             _, draft = ngram_draft(tokens, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
         else:
             max_depth, factor = cfg.suffix_decoding_max_tree_depth, cfg.suffix_decoding_max_spec_factor
-            _, draft = suffix_draft(tokens, self.store, k, max_depth, factor)
+            _, draft = suffix_draft(tokens, self.store, k, max_depth, factor, cfg.suffix_decoding_min_token_prob)
         return within_grammar(seq.matcher, draft) if seq.matcher is not None else draft
 
     def verified(self, seq: Sequence, num_draft: int, accepted: int) -> None:
@@ -181,6 +206,20 @@ class Speculator:
     def finished(self, seq: Sequence) -> None:
         if self.store is not None:
             self.store.add(seq.output_token_ids)
+
+
+def draft_context(seq: Sequence) -> np.ndarray:
+    """``seq.token_ids`` as int64, from a buffer beside the sequence that takes only what was appended
+    since its last draft (and doubles when full): converting a 30k-token conversation took 0.5 ms a step."""
+    buf, done, total = seq.draft_context, seq.num_draft_context, len(seq.token_ids)
+    if buf is None or total > len(buf):
+        grown = np.empty(max(64, 2 * total), dtype=np.int64)
+        if buf is not None:
+            grown[:done] = buf[:done]
+        seq.draft_context = buf = grown
+    buf[done:total] = seq.token_ids[done:total]
+    seq.num_draft_context = total
+    return buf[:total]
 
 
 def within_grammar(matcher: Any, draft: list[int]) -> list[int]:
