@@ -134,11 +134,23 @@ def main() -> None:
         default=["auto"],
         help="each KV cache dtype (kv_cache_dtype) the fused cpu rows also run over, e.g. auto fp8 fp8_e5m2",
     )
+    ap.add_argument(
+        "--batch-invariant",
+        choices=["auto", "0", "1"],
+        default="auto",
+        help="as ATOM_BATCH_INVARIANT (auto: on in bfloat16 with AVX512-BF16; the attention's fixed partitions)",
+    )
     args = ap.parse_args()
+    invariant = None if args.batch_invariant == "auto" else args.batch_invariant == "1"
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model or str(write_tiny_model(Path(tmp)))
-        loaded = {name: load_model(path, dtype=args.dtype, attention_backend=name).model for name in ("torch", "cpu")}
+        plans = {
+            name: load_model(path, dtype=args.dtype, attention_backend=name, batch_invariant=invariant)
+            for name in ("torch", "cpu")
+        }
+    loaded = {name: lm.model for name, lm in plans.items()}
+    inv = bool(plans["cpu"].plan.batch_invariant)
     # label -> (model, use_fused, kv_cache_dtype): the cpu backend's steps run fused (models/fused.py) where the
     # model allows
     models = {
@@ -168,7 +180,10 @@ def main() -> None:
                     "attention_gb_s": kv_bytes / parts["attention"] / 1e9 if parts["attention"] else None,
                 }
             )
-    print(f"\ndecode step, {args.batch} sequences, {args.threads} threads; memory read bandwidth {bandwidth:.1f} GB/s")
+    print(
+        f"\ndecode step, {args.batch} sequences, {args.threads} threads, batch_invariant {inv}; "
+        f"memory read bandwidth {bandwidth:.1f} GB/s"
+    )
     m = machine()
     print(f"CPU: {m['cpu']} ({' '.join(m['isa'])}), {m['cores']} cores")
     cols = ["context", "backend", "step_ms", "attention_ms", "gemm_ms", "rest_ms", "kv_mb_per_step", "attention_gb_s"]
@@ -207,6 +222,7 @@ def main() -> None:
     if kv_speedups:
         print(f"decode step (TPOT) speed-up of each KV cache dtype over the model's, by context: {kv_speedups}")
     result = {"bench": "step_profile", "batch": args.batch, "threads": args.threads, "read_bandwidth_gb_s": bandwidth}
+    result["batch_invariant"] = inv
     result["machine"] = m
     result["fused_speedup_vs_op_by_op"] = result_fused
     result["kv_cache_dtype_speedup"] = kv_speedups

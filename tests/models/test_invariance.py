@@ -21,6 +21,7 @@ from atom_anyio.engine.core import Engine
 from atom_anyio.engine.engine_config import EngineConfig
 from atom_anyio.models import quant
 from atom_anyio.models.attention import AttentionMetadata
+from atom_anyio.models.attention.metadata import to_kv_cache
 from atom_anyio.models.attention.cpu import INVARIANT_PARTITION
 from atom_anyio.models.loader import load_model
 from atom_anyio.models.ops import BatchInvariantCpuOps, pack_bf16_linears
@@ -127,37 +128,44 @@ def attention(
 
 
 AMX_ATTENTION = "paged_attention_amx_bf16"
-# the kernel's variants for each cache dtype: the portable twin, the native one (AVX512-BF16 for
-# bfloat16, what a CPU without AMX runs), the AMX tiles (bfloat16 only; skipped by name where the
-# CPU has none)
+# the kernel's variants for each model dtype and cache dtype (None: the model's): the portable twin,
+# the native one (AVX512-BF16 for bfloat16, what a CPU without AMX runs), the AMX tiles (bfloat16
+# only; skipped by name where the CPU has none); over an fp8 cache (kv_cache_dtype) the portable
+# twin and the native variant, which reads every row's keys and values in registers in a
+# batch-invariant call (prefill's rows as a decode's)
 KERNEL_VARIANTS = [
-    pytest.param(dtype, variant, id=f"{str(dtype).removeprefix('torch.')}-{variant}")
+    pytest.param(dtype, variant, None, id=f"{str(dtype).removeprefix('torch.')}-{variant}")
     for dtype in (torch.float32, torch.bfloat16)
     for variant in ("portable", "native")
 ] + [
     pytest.param(
         torch.bfloat16,
         "amx",
+        None,
         id="bfloat16-amx",
         marks=pytest.mark.skipif(
             AMX_ATTENTION not in kernels.native_kernels(), reason=f"{AMX_ATTENTION}: no AMX tiles on this CPU or OS"
         ),
     )
+] + [
+    pytest.param(torch.bfloat16, variant, cache, id=f"bfloat16-{variant}-{str(cache).removeprefix('torch.')}")
+    for cache in (torch.float8_e4m3fn, torch.float8_e5m2)
+    for variant in ("portable", "native")
 ]
 
 
 @pytest.mark.parametrize("window", [0, 300], ids=["causal", "window"])
-@pytest.mark.parametrize(("dtype", "variant"), KERNEL_VARIANTS)
-def test_the_kernel_gives_a_query_the_same_bits_alone_in_a_batch_or_in_a_chunk(dtype, variant, window):
+@pytest.mark.parametrize(("dtype", "variant", "cache"), KERNEL_VARIANTS)
+def test_the_kernel_gives_a_query_the_same_bits_alone_in_a_batch_or_in_a_chunk(dtype, variant, cache, window):
     """A sequence of 1100 keys (three partitions) beside a short one: a query position's output as
     a decode of that position (the short sequence decoding beside it), and inside prefill chunks of
     several sizes that put it at different places in the kernel's tiles (as a batch's budget cuts a
-    prompt anywhere)."""
+    prompt anywhere). ``cache``: the KV cache's dtype where not the model's (fp8)."""
     torch.manual_seed(0)
     heads, kv_heads, dim, bs = 6, 2, 64, 16
     tables = [list(range(69)), list(range(69, 72))]
-    k_cache = torch.randn(72 * bs, kv_heads, dim).to(dtype)
-    v_cache = torch.randn(72 * bs, kv_heads, dim).to(dtype)
+    k_cache = to_kv_cache(torch.randn(72 * bs, kv_heads, dim), cache or dtype)
+    v_cache = to_kv_cache(torch.randn(72 * bs, kv_heads, dim), cache or dtype)
     q_long, q_short = torch.randn(1100, heads, dim).to(dtype), torch.randn(1, heads, dim).to(dtype)
     positions = [0, 15, 511, 512, 700, 1099]
     alone = {}

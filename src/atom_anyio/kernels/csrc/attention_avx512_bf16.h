@@ -415,9 +415,12 @@ inline void in_row_blocks(int rows, F&& f, int r = 0) {
 
 // The AVX512-BF16 variant over an fp8 cache (kv_cache_dtype). A decode's few rows a kv head
 // (attend's two passes) read the keys and values in registers: half the bytes of a bfloat16 cache,
-// which a long decode is bound by; more rows (prefill), and batch-invariant calls, widen each
-// chunk's keys and values of a kv head to bfloat16 in L1, exactly, and take the bfloat16 variant's
-// steps over them (attend_in_chunks). head_dim a multiple of 64 (fits).
+// which a long decode is bound by; more rows (prefill) widen each chunk's keys and values of a kv
+// head to bfloat16 in L1, exactly, and take the bfloat16 variant's steps over them
+// (attend_in_chunks), except in batch-invariant calls, where every row takes the registers' path,
+// so that a row's bits are its own whatever the unit holds (until 2026-12-07 those calls widened
+// every chunk instead, and a decode at 32k over fp8 took 1.45x bfloat16's time on a Zen 4: now
+// 0.65x). head_dim a multiple of 64 (fits).
 template <typename C>
 struct Avx512Bf16Fp8 : Chunked<Avx512Bf16Fp8<C>, c10::BFloat16, C> {
   using T = c10::BFloat16;
@@ -463,13 +466,15 @@ struct Avx512Bf16Fp8 : Chunked<Avx512Bf16Fp8<C>, c10::BFloat16, C> {
 
   static void attend(Scratch& s, const P& p, const Unit& u, const Span& span, Rows rows) {
     const int nt = u.tokens(), group_rows = nt * p.G;
-    if (p.partition > 0 || group_rows * 10 > p.D) return attend_in_chunks<Avx512Bf16Fp8>(s, p, u, span, rows);
+    if (p.partition == 0 && group_rows * 10 > p.D) return attend_in_chunks<Avx512Bf16Fp8>(s, p, u, span, rows);
     decode(s, p, u, span, rows);
   }
 
-  // A decode's rows over the span in segments of SEG keys, two passes each: every chunk's scores
+  // A decode's rows over the span in segments of SEG keys (cut at multiples of SEG: a row's
+  // segments do not depend on where its unit's keys begin), two passes each: every chunk's scores
   // into s.scores (no softmax between the chunks: the keys stream), the rows' maxima (what the
-  // rows had so far rescaled once), then every chunk's probabilities and values.
+  // rows had so far rescaled once), then every chunk's probabilities and values. Each row's
+  // arithmetic is its own: the same alone, in a batch, or among a prefill unit's rows.
   static void decode(Scratch& s, const P& p, const Unit& u, const Span& span, Rows rows) {
     const int H = p.H, G = p.G, D = p.D, KVH = p.KVH, BS = p.BS;
     const int nt = u.tokens(), num_rows = nt * H, group_rows = nt * G;
@@ -499,8 +504,8 @@ struct Avx512Bf16Fp8 : Chunked<Avx512Bf16Fp8<C>, c10::BFloat16, C> {
       }
     };
     const float scale = p.scale * FP8_UNDO<C>;
-    for (int seg = span.lo; seg < span.hi; seg += SEG) {
-      const int seg_hi = std::min(span.hi, seg + SEG);
+    for (int seg = span.lo, seg_hi; seg < span.hi; seg = seg_hi) {
+      seg_hi = std::min(span.hi, (seg / SEG + 1) * SEG);  // at multiples of SEG, wherever the span begins
       each_chunk(seg, seg_hi, p.k, [&](int key0, int n, int64_t slot, int h) {  // the scores
         const C* k = p.k + slot * p.slot_stride + h * D;
         in_row_blocks(group_rows, [&](auto nr, int r) {
