@@ -21,8 +21,8 @@ from atom_anyio.engine.core import Engine
 from atom_anyio.engine.engine_config import EngineConfig
 from atom_anyio.models import quant
 from atom_anyio.models.attention import AttentionMetadata
-from atom_anyio.models.attention.metadata import to_kv_cache
 from atom_anyio.models.attention.cpu import INVARIANT_PARTITION
+from atom_anyio.models.attention.metadata import to_kv_cache
 from atom_anyio.models.loader import load_model
 from atom_anyio.models.ops import BatchInvariantCpuOps, pack_bf16_linears
 from atom_anyio.models.quant import QuantLinear
@@ -133,25 +133,29 @@ AMX_ATTENTION = "paged_attention_amx_bf16"
 # only; skipped by name where the CPU has none); over an fp8 cache (kv_cache_dtype) the portable
 # twin and the native variant, which reads every row's keys and values in registers in a
 # batch-invariant call (prefill's rows as a decode's)
-KERNEL_VARIANTS = [
-    pytest.param(dtype, variant, None, id=f"{str(dtype).removeprefix('torch.')}-{variant}")
-    for dtype in (torch.float32, torch.bfloat16)
-    for variant in ("portable", "native")
-] + [
-    pytest.param(
-        torch.bfloat16,
-        "amx",
-        None,
-        id="bfloat16-amx",
-        marks=pytest.mark.skipif(
-            AMX_ATTENTION not in kernels.native_kernels(), reason=f"{AMX_ATTENTION}: no AMX tiles on this CPU or OS"
-        ),
-    )
-] + [
-    pytest.param(torch.bfloat16, variant, cache, id=f"bfloat16-{variant}-{str(cache).removeprefix('torch.')}")
-    for cache in (torch.float8_e4m3fn, torch.float8_e5m2)
-    for variant in ("portable", "native")
-]
+KERNEL_VARIANTS = (
+    [
+        pytest.param(dtype, variant, None, id=f"{str(dtype).removeprefix('torch.')}-{variant}")
+        for dtype in (torch.float32, torch.bfloat16)
+        for variant in ("portable", "native")
+    ]
+    + [
+        pytest.param(
+            torch.bfloat16,
+            "amx",
+            None,
+            id="bfloat16-amx",
+            marks=pytest.mark.skipif(
+                AMX_ATTENTION not in kernels.native_kernels(), reason=f"{AMX_ATTENTION}: no AMX tiles on this CPU or OS"
+            ),
+        )
+    ]
+    + [
+        pytest.param(torch.bfloat16, variant, cache, id=f"bfloat16-{variant}-{str(cache).removeprefix('torch.')}")
+        for cache in (torch.float8_e4m3fn, torch.float8_e5m2)
+        for variant in ("portable", "native")
+    ]
+)
 
 
 @pytest.mark.parametrize("window", [0, 300], ids=["causal", "window"])
