@@ -17,21 +17,25 @@ import numpy as np
 SEPARATOR = -1  # between two outputs in the store's corpus: no match or draft crosses it
 
 
+def occurrences(hay: np.ndarray, pattern: np.ndarray, limit: int) -> tuple[int, np.ndarray]:
+    """The longest suffix of ``pattern`` that occurs in ``hay`` ending before index ``limit``, and
+    where every occurrence of it ends (exclusive, ascending); (0, empty) if not even its last token does."""
+    ends = np.flatnonzero(hay[:limit] == pattern[-1]) + 1
+    length, best = 1, ends
+    for j in range(1, len(pattern)):
+        ends = ends[ends > j]
+        ends = ends[hay[ends - 1 - j] == pattern[-1 - j]]
+        if not ends.size:
+            break
+        length, best = j + 1, ends
+    return (length, best) if best.size else (0, best)
+
+
 def longest_match(hay: np.ndarray, pattern: np.ndarray, min_n: int, limit: int) -> tuple[int, int]:
     """The longest suffix of ``pattern`` (at least ``min_n`` tokens) that occurs in ``hay`` ending
     before index ``limit``, and where its most recent occurrence ends (exclusive); (0, -1) if none."""
-    ends = np.flatnonzero(hay[:limit] == pattern[-1])
-    length, best = 1, ends
-    for j in range(1, len(pattern)):
-        if not ends.size:
-            break
-        ends = ends[ends >= j]
-        ends = ends[hay[ends - j] == pattern[-1 - j]]
-        if ends.size:
-            length, best = j + 1, ends
-    if not best.size or length < min_n:
-        return 0, -1
-    return length, int(best[-1]) + 1
+    n, ends = occurrences(hay, pattern, limit)
+    return (n, int(ends[-1])) if n and n >= min_n else (0, -1)
 
 
 def continuation(hay: np.ndarray, start: int, k: int) -> list[int]:
@@ -91,20 +95,6 @@ class SuffixStore:
         """The output holding ``position`` of the corpus was used: it is evicted last."""
         _, starts, ids = self.corpus()
         self.outputs.move_to_end(ids[int(np.searchsorted(starts, position, side="right")) - 1])
-
-
-def occurrences(hay: np.ndarray, pattern: np.ndarray, limit: int) -> tuple[int, np.ndarray]:
-    """The longest suffix of ``pattern`` that occurs in ``hay`` ending before index ``limit``, and
-    where every occurrence of it ends (exclusive, ascending); (0, empty) if not even its last token does."""
-    ends = np.flatnonzero(hay[:limit] == pattern[-1]) + 1
-    length, best = 1, ends
-    for j in range(1, len(pattern)):
-        ends = ends[ends > j]
-        ends = ends[hay[ends - 1 - j] == pattern[-1 - j]]
-        if not ends.size:
-            break
-        length, best = j + 1, ends
-    return (length, best) if best.size else (0, best)
 
 
 def follow(hay: np.ndarray, ends: np.ndarray, k: int, min_prob: float) -> tuple[float, list[int]]:
