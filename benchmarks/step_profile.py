@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 from agentic import write_tiny_model
-from machine import machine
+from machine import add_batch_invariant_option, machine
 from torch.profiler import ProfilerActivity, profile
 
 from atom_anyio import kernels
@@ -134,19 +134,13 @@ def main() -> None:
         default=["auto"],
         help="each KV cache dtype (kv_cache_dtype) the fused cpu rows also run over, e.g. auto fp8 fp8_e5m2",
     )
-    ap.add_argument(
-        "--batch-invariant",
-        choices=["auto", "0", "1"],
-        default="auto",
-        help="as ATOM_BATCH_INVARIANT (auto: on in bfloat16 with AVX512-BF16; the attention's fixed partitions)",
-    )
+    add_batch_invariant_option(ap, "auto: on in bfloat16 with AVX512-BF16; the attention's fixed partitions")
     args = ap.parse_args()
-    invariant = None if args.batch_invariant == "auto" else args.batch_invariant == "1"
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model or str(write_tiny_model(Path(tmp)))
         plans = {
-            name: load_model(path, dtype=args.dtype, attention_backend=name, batch_invariant=invariant)
+            name: load_model(path, dtype=args.dtype, attention_backend=name, batch_invariant=args.batch_invariant)
             for name in ("torch", "cpu")
         }
     loaded = {name: lm.model for name, lm in plans.items()}
