@@ -10,11 +10,11 @@ from array import array
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from atom_anyio.engine.wind_down import WIND_DOWN_TOKENS, Closing
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from atom_anyio.engine.detokenizer import IncrementalDetokenizer
     from atom_anyio.engine.request import EngineRequest
     from atom_anyio.engine.stream import ChoiceSender, Logprob
