@@ -61,16 +61,19 @@ def test_gemv_of_a_few_rows_is_within_the_int16_activation_bound(qtype, rows, cp
     assert error.max() < 1e-3 * expected.abs().max()  # and far below the quantization error of the weights
 
 
-@pytest.mark.parametrize("rows", [5, 8, 9, 16, 37, 130])  # 130: past a block of rows (the GEMM's L2 tile)
+@pytest.mark.parametrize("rows", [5, 8, 9, 16, 37, 130])  # 37, 130: the AVX2 tiles; 130: past a block of rows
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
 def test_the_gemv_at_any_row_count_gives_each_row_its_bits_alone(qtype, rows, cpu_kernels):
     """Batch-invariant float32 rows go through the GEMV's arithmetic at any count (as a blocked GEMM
-    past four, sixteen lanes where the CPU has AVX512): each row's outputs are the bits of that row
-    alone, through the 1-row GEMV, whatever the other rows; a dense copy beside the blocks is not read.
-    Batch invariance of every GGUF linear in float32 rests on it."""
-    w, reference = random_quantized(100, 1024, qtype, seed=rows)  # 100: a tail past the last four weight rows
-    x = torch.randn(rows, 1024, generator=torch.Generator().manual_seed(rows)) * 3
-    bias = torch.randn(100)
+    past four, sixteen lanes where the CPU has AVX512; past 32 a tiled GEMM on AVX2): each row's
+    outputs are the bits of that row alone, through the 1-row GEMV, whatever the other rows; a dense
+    copy beside the blocks is not read. Batch invariance of every GGUF linear in float32 rests on it."""
+    # a tail past the last four weight rows; odd counts: an odd number of W's rows and of blocks a row
+    # (the AVX2 tiles' zero partner row and the even blocks' chain taking the last block)
+    n, k = (101, 1056) if rows % 2 else (100, 1024)
+    w, reference = random_quantized(n, k, qtype, seed=rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 3
+    bias = torch.randn(n)
     layer = QuantLinearLike(w, bias)
     out = BatchInvariantCpuOps.linear(x, layer)
     assert (((out - F.linear(x, reference, bias)).abs()) <= gemv_tolerance(x, w) + 1e-4).all()

@@ -26,6 +26,7 @@
 #include <ATen/ops/empty.h>
 
 #include <cstring>
+#include <new>
 #include <vector>
 
 #include "kernels.h"
@@ -108,13 +109,29 @@ inline void decode(const uint8_t* b, Block<Type>& out) {
 }
 #endif
 
+// a cache line's alignment for the tiles' operands: a 32-byte load never straddles two lines
+template <typename T>
+struct LineAligned {
+  using value_type = T;
+  LineAligned() = default;
+  template <typename U>
+  LineAligned(const LineAligned<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+  bool operator==(const LineAligned&) const { return true; }
+};
+template <typename T>
+using Lines = std::vector<T, LineAligned<T>>;
+
 // x's rows as int16 blocks: a = round(x / dx) with dx = max |x| / 32767 per block of 32 (a relative error of
 // 2^-16 of the block's largest value, far below float16's), and the blocks' float sums
 struct XBlocks {
-  std::vector<int16_t> a;
+  Lines<int16_t> a;
   std::vector<float> dx, xsum;
 
-  XBlocks(const float* x, int64_t rows, int64_t K) : a(rows * K), dx(rows * K / QK), xsum(rows * K / QK) {
+  // `padded_rows` >= rows: zero rows after x's (a tile's partner for an odd last row)
+  XBlocks(const float* x, int64_t rows, int64_t K, int64_t padded_rows = 0)
+      : a(std::max(rows, padded_rows) * K), dx(rows * K / QK), xsum(rows * K / QK) {
     // each block on its own, so a GEMM's rows are prepared in parallel with the same bits
     at::parallel_for(0, rows * K / QK, rows > 4 ? 64 : rows * K / QK, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
@@ -520,17 +537,167 @@ void qgemm16(float* op, const XBlocks& xq, int64_t M, int64_t K, const uint8_t* 
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(ATOM_ELEMENTWISE_AVX512)
+// Past 32 rows on AVX2, Q4_0/Q4_1/Q8_0 blocks with qgemv_rows' arithmetic as a tiled GEMM: W's rows
+// decoded once per chunk (int16 weights, scales, offsets) and every pair of x's rows passes over them,
+// four rows of W at a time: x's two rows of a block in registers, W's read by the multiplies. Each (row
+// of x, row of W) keeps qgemv_rows' two chains, the even blocks' accumulator and the odd blocks', each
+// fed by the same fma of the same d dx and the same eight int32 lanes of block_dot, in block order: a
+// row of x's four scales for a block come from one product of [d0 d1 d2 d3] and [dx] (IEEE products: the
+// scalar's bits) and an in-lane broadcast each. A tile runs the even chain, then the odd one; the end is
+// the same hsum(even + odd) + (offsets) + bias. The offsets m sum(x) are the same products and sums,
+// eight rows of x to a register. Row counts that do not fill a tile run with zero rows beside the last
+// (their sums are never stored).
+
+// x's scales per row and block, eight times (a multiplier from memory), and the blocks' sums, G rows to a
+// register
+struct XScales8 {
+  Lines<float> dx, sum;
+
+  XScales8(const XBlocks& x, int64_t rows, int64_t nb, int64_t G)
+      : dx((rows + 1) / 2 * 2 * nb * 8), sum((rows + G - 1) / G * nb * 8) {
+    for (int64_t m = 0; m < rows; ++m)
+      for (int64_t b = 0; b < nb; ++b) {
+        std::fill_n(dx.data() + (m * nb + b) * 8, 8, x.dx[m * nb + b]);
+        sum[((m / G) * nb + b) * 8 + m % G] = x.xsum[m * nb + b];
+      }
+  }
+};
+
+// a chunk of W's rows decoded (zero rows up to a multiple of four): per row and block the 32 int16
+// weights; per four rows and block [d0 d1 d2 d3] twice; per row and block the offset m
+template <int64_t Type>
+struct WBlocks8 {
+  static constexpr int64_t R = 4;
+  Lines<int16_t> q;
+  Lines<float> d;
+  std::vector<float> m;
+  int64_t nb;
+
+  WBlocks8(int64_t rows, int64_t K)
+      : q((rows + R - 1) / R * R * K), d((rows + R - 1) / R * (K / QK) * 8), m(rows * (K / QK)), nb(K / QK) {}
+
+  void decode(const uint8_t* w, int64_t rows) {
+    constexpr int64_t BB = Type == Q8_0 ? 34 : Type == Q4_1 ? 20 : 18;
+    for (int64_t n = rows; n % R; ++n) {  // the zero rows after the last
+      std::fill_n(q.data() + n * nb * QK, nb * QK, int16_t(0));
+      for (int64_t b = 0; b < nb; ++b) d[((n / R) * nb + b) * 8 + n % R] = d[((n / R) * nb + b) * 8 + 4 + n % R] = 0.f;
+    }
+    for (int64_t n = 0; n < rows; ++n)
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = w + (n * nb + b) * BB;
+        const Weights16 q16 = block_weights<Type>(blk);
+        int16_t* dst = q.data() + (n * nb + b) * QK;
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), q16.lo);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16), q16.hi);
+        const float dd = half_at(blk);
+        d[((n / R) * nb + b) * 8 + n % R] = d[((n / R) * nb + b) * 8 + 4 + n % R] = dd;
+        m[n * nb + b] = Type == Q4_1 ? half_at(blk + 2) : Type == Q4_0 ? -8.f * dd : 0.f;
+      }
+  }
+};
+
+// rows x0, x0 + 1 of x against decoded rows w0 .. w0 + 3 of W: each pair's hsum(even + odd) into sums[i][r]
+template <int64_t Type>
+inline void qtile8(const XBlocks& x, const XScales8& xs, int64_t x0, const WBlocks8<Type>& w, int64_t w0,
+                   float sums[2][4]) {
+  const int64_t nb = w.nb;
+  const int16_t* xa = x.a.data() + x0 * nb * QK;
+  const int16_t* wq = w.q.data() + w0 * nb * QK;
+  const float* dx = xs.dx.data() + x0 * nb * 8;
+  const float* dw = w.d.data() + (w0 / 4) * nb * 8;
+  __m256 even[2][4];
+  for (int p = 0; p < 2; ++p) {
+    __m256 acc[2][4];
+    for (int i = 0; i < 2; ++i)
+      for (int r = 0; r < 4; ++r) acc[i][r] = _mm256_setzero_ps();
+    for (int64_t b = p; b < nb; b += 2) {
+      auto at = [&](const int16_t* base, int64_t row, int h) {
+        return _mm256_load_si256(reinterpret_cast<const __m256i*>(base + (row * nb + b) * QK + 16 * h));
+      };
+      __m256i xl0 = at(xa, 0, 0), xh0 = at(xa, 0, 1), xl1 = at(xa, 1, 0), xh1 = at(xa, 1, 1);
+      asm("" : "+x"(xl0), "+x"(xh0), "+x"(xl1), "+x"(xh1));  // x's operands stay in registers
+      const __m256 d = _mm256_load_ps(dw + b * 8);
+      for (int i = 0; i < 2; ++i) {
+        const __m256 s = _mm256_mul_ps(d, _mm256_load_ps(dx + (i * nb + b) * 8));
+        const __m256i xl = i ? xl1 : xl0, xh = i ? xh1 : xh0;
+        auto lanes = [&](int r) {
+          return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(at(wq, r, 0), xl), _mm256_madd_epi16(at(wq, r, 1), xh)));
+        };
+        acc[i][0] = _mm256_fmadd_ps(_mm256_permute_ps(s, 0x00), lanes(0), acc[i][0]);
+        acc[i][1] = _mm256_fmadd_ps(_mm256_permute_ps(s, 0x55), lanes(1), acc[i][1]);
+        acc[i][2] = _mm256_fmadd_ps(_mm256_permute_ps(s, 0xAA), lanes(2), acc[i][2]);
+        acc[i][3] = _mm256_fmadd_ps(_mm256_permute_ps(s, 0xFF), lanes(3), acc[i][3]);
+      }
+    }
+    for (int i = 0; i < 2; ++i)
+      for (int r = 0; r < 4; ++r)
+        if (p == 0) even[i][r] = acc[i][r];
+        else sums[i][r] = hsum(add(V8{even[i][r]}, V8{acc[i][r]}));
+  }
+}
+
+template <int64_t Type>
+void qgemm8(float* op, const XBlocks& xq, int64_t M, int64_t K, const uint8_t* wp, int64_t N, const float* bias) {
+  constexpr int64_t G = 8, R = WBlocks8<Type>::R;  // rows of x to a register of offsets; rows of W to a tile
+  const int64_t nb = K / QK, row_bytes = nb * block_bytes(Type);
+  const XScales8 xs(xq, M, nb, G);
+  const int64_t decoded_row = nb * (QK * 2 + 8 * 4 / R + 4);
+  const int64_t chunk = std::max<int64_t>(R, (int64_t(128) << 10) / decoded_row / R * R);  // ~128 KB decoded
+  at::parallel_for(0, (N + R - 1) / R, 2, [&](int64_t b, int64_t e) {
+    const int64_t n_lo = b * R, n_hi = std::min(N, e * R);
+    WBlocks8<Type> w(chunk, K);
+    std::vector<float> offsets(chunk * 8);  // per row of W in the chunk: its m sum(x), a lane per row of x
+    for (int64_t c0 = n_lo; c0 < n_hi; c0 += chunk) {
+      const int64_t c1 = std::min(n_hi, c0 + chunk);
+      w.decode(wp + c0 * row_bytes, c1 - c0);
+      for (int64_t g = 0; g < M; g += G) {
+        // the offsets: even blocks' and odd blocks' products summed apart, in block order, then added
+        for (int64_t n = 0; n < c1 - c0; ++n) {
+          __m256 ev = _mm256_setzero_ps(), od = _mm256_setzero_ps();
+          if constexpr (Type != Q8_0)
+            for (int64_t blk = 0; blk < nb; ++blk) {
+              const __m256 p = _mm256_mul_ps(_mm256_set1_ps(w.m[n * nb + blk]),
+                                             _mm256_loadu_ps(xs.sum.data() + ((g / G) * nb + blk) * 8));
+              if (blk % 2) od = _mm256_add_ps(od, p); else ev = _mm256_add_ps(ev, p);
+            }
+          _mm256_storeu_ps(offsets.data() + n * 8, _mm256_add_ps(ev, od));
+        }
+        // four rows of W stay in L1 while the group's pairs of x (in L1 too) pass over them
+        for (int64_t n = 0; n < c1 - c0; n += R)
+          for (int64_t m = g; m < std::min(M, g + G); m += 2) {
+            float sums[2][R];
+            qtile8<Type>(xq, xs, m, w, n, sums);
+            for (int i = 0; i < std::min<int64_t>(2, M - m); ++i)
+              for (int r = 0; r < std::min<int64_t>(R, c1 - c0 - n); ++r) {
+                const int64_t col = c0 + n + r;
+                op[(m + i) * N + col] = sums[i][r] + offsets[(n + r) * 8 + (m + i - g)] + (bias ? bias[col] : 0.f);
+              }
+          }
+      }
+    }
+  });
+}
+#endif
+
 // Any number of rows, each output element by the arithmetic of the 1-4 row GEMV whatever M is: the rows
 // four at a time through the same code (a row's sums never meet another row's), or past four rows the
-// sixteen-lane form of the same arithmetic where the CPU has AVX512 (qgemm16): batch-invariant by
-// construction. Each thread takes a range of W's rows in chunks that stay in cache (~64 KB) while every
+// sixteen-lane form of the same arithmetic where the CPU has AVX512 (qgemm16), past 32 the tiled
+// form on AVX2 (qgemm8): batch-invariant by construction. Each thread takes a range of W's rows in chunks that stay in cache (~64 KB) while every
 // group of x's rows passes over them.
 template <int64_t Type>
 void qgemm_impl(float* op, const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t N, const float* bias) {
-  const XBlocks xq(xp, M, K);
+  const XBlocks xq(xp, M, K, (M + 1) / 2 * 2);
 #if defined(ATOM_ELEMENTWISE_AVX512) && defined(__AVX2__) && defined(__FMA__)
   if constexpr (!is_k_quant(Type))
     if (M > 4) return qgemm16<Type>(op, xq, M, K, wp, N, bias);
+#elif defined(__AVX2__) && defined(__FMA__)
+  // past 32 rows: up to there the four-row groups below, which decode W in registers, take as long or
+  // less (SmolLM2's four linears, Q4_1, on an AMD EPYC Zen 3, 2 threads, best of 3, 2026-12-07: 9 rows
+  // 0.67 ms against the tiles' 0.93, 32 rows 2.29 against 2.26, 580 rows 44.2 against 32.3, 2048 rows
+  // 153 against 114)
+  if constexpr (!is_k_quant(Type))
+    if (M > 32) return qgemm8<Type>(op, xq, M, K, wp, N, bias);
 #endif
   const int64_t chunk = std::max<int64_t>(4, (int64_t(64) << 10) / (K / weights_per_block(Type) * block_bytes(Type)));
   at::parallel_for(0, N, M <= 4 ? 16 : std::min<int64_t>(chunk, 16), [&](int64_t b, int64_t e) {
