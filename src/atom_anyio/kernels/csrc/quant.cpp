@@ -687,8 +687,8 @@ void qgemm8(float* op, const XBlocks& xq, int64_t M, int64_t K, const uint8_t* w
 // group of x's rows passes over them.
 template <int64_t Type>
 void qgemm_impl(float* op, const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t N, const float* bias) {
-  const XBlocks xq(xp, M, K, (M + 1) / 2 * 2);
 #if defined(ATOM_ELEMENTWISE_AVX512) && defined(__AVX2__) && defined(__FMA__)
+  const XBlocks xq(xp, M, K);
   if constexpr (!is_k_quant(Type))
     if (M > 4) return qgemm16<Type>(op, xq, M, K, wp, N, bias);
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -696,8 +696,12 @@ void qgemm_impl(float* op, const float* xp, int64_t M, int64_t K, const uint8_t*
   // less (SmolLM2's four linears, Q4_1, on an AMD EPYC Zen 3, 2 threads, best of 3, 2026-12-07: 9 rows
   // 0.67 ms against the tiles' 0.93, 32 rows 2.29 against 2.26, 580 rows 44.2 against 32.3, 2048 rows
   // 153 against 114)
+  const bool tiled = !is_k_quant(Type) && M > 32;
+  const XBlocks xq(xp, M, K, tiled ? (M + 1) / 2 * 2 : M);  // the tiles take rows in pairs
   if constexpr (!is_k_quant(Type))
-    if (M > 32) return qgemm8<Type>(op, xq, M, K, wp, N, bias);
+    if (tiled) return qgemm8<Type>(op, xq, M, K, wp, N, bias);
+#else
+  const XBlocks xq(xp, M, K);
 #endif
   const int64_t chunk = std::max<int64_t>(4, (int64_t(64) << 10) / (K / weights_per_block(Type) * block_bytes(Type)));
   at::parallel_for(0, N, M <= 4 ? 16 : std::min<int64_t>(chunk, 16), [&](int64_t b, int64_t e) {
