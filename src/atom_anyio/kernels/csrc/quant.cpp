@@ -55,10 +55,20 @@ inline int64_t block_bytes(int64_t type) {
 
 inline int64_t weights_per_block(int64_t type) { return is_k_quant(type) ? QKK : QK; }
 
+// block_bytes of a 32-weight block type (Q4_0, Q4_1, Q8_0), for the templates
+template <int64_t Type>
+constexpr int64_t BLOCK32_BYTES = Type == Q8_0 ? 34 : Type == Q4_1 ? 20 : 18;
+
 inline float half_at(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);
   return float(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// a 32-weight block's offset m in w = d q + m: Q4_1's stored minimum, Q4_0's -8 d, Q8_0's none
+template <int64_t Type>
+inline float block_offset(const uint8_t* b) {
+  return Type == Q4_1 ? half_at(b + 2) : Type == Q4_0 ? -8.f * half_at(b) : 0.f;
 }
 
 // one block as 32 float weights q[0..31] (before the scale) and its scale d and offset m: w = d q + m
@@ -89,7 +99,7 @@ inline void decode(const uint8_t* b, Block<Type>& out) {
     const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
     out.q[0] = u8_to_float(lo), out.q[1] = u8_to_float(_mm_unpackhi_epi64(lo, lo));
     out.q[2] = u8_to_float(hi), out.q[3] = u8_to_float(_mm_unpackhi_epi64(hi, hi));
-    out.m = Type == Q4_1 ? half_at(b + 2) : -8.f * out.d;
+    out.m = block_offset<Type>(b);
   }
 }
 #else
@@ -103,7 +113,7 @@ inline void decode(const uint8_t* b, Block<Type>& out) {
   } else {
     const uint8_t* qs = b + (Type == Q4_1 ? 4 : 2);
     for (int j = 0; j < QK / 2; ++j) q[j] = float(qs[j] & 0x0F), q[j + 16] = float(qs[j] >> 4);
-    out.m = Type == Q4_1 ? half_at(b + 2) : -8.f * out.d;
+    out.m = block_offset<Type>(b);
   }
   for (int i = 0; i < 4; ++i) out.q[i] = load(q + 8 * i);
 }
@@ -288,7 +298,7 @@ inline void super_block_scales(const uint8_t* b, SubScales s[8]) {
 template <int M, int64_t Type>
 void qgemv_rows(const XBlocks& x, int64_t m0, int64_t K, const uint8_t* w, float* out, int64_t ldo, const float* bias,
                 int64_t n0, int64_t n1) {
-  constexpr int64_t BB = Type == Q8_0 ? 34 : Type == Q4_1 ? 20 : 18;
+  constexpr int64_t BB = BLOCK32_BYTES<Type>;
   const int64_t nb = K / QK;
   const int16_t* a = x.a.data();
   const float* dx = x.dx.data();
@@ -303,7 +313,7 @@ void qgemv_rows(const XBlocks& x, int64_t m0, int64_t K, const uint8_t* w, float
       const uint8_t* blk = row + b * BB;
       const Weights16 q = block_weights<Type>(blk);
       const float d = half_at(blk);
-      const float mn = Type == Q4_1 ? half_at(blk + 2) : -8.f * d;
+      const float mn = block_offset<Type>(blk);
       for (int m = 0; m < M; ++m) {
         const int64_t xb = (m0 + m) * nb + b;
         acc[p][m] = fma(splat(d * dx[xb]), block_dot(q, a + xb * QK), acc[p][m]);
@@ -409,7 +419,7 @@ struct WPairs {
                                     m(rows * (K / QK)), nb(K / QK), np((K / QK + 1) / 2) {}
 
   void decode(const uint8_t* w, int64_t rows) {
-    constexpr int64_t BB = Type == Q8_0 ? 34 : Type == Q4_1 ? 20 : 18;
+    constexpr int64_t BB = BLOCK32_BYTES<Type>;
     constexpr int off = Type == Q4_1 ? 4 : 2;
     for (int64_t n = 0; n < rows; ++n) {
       const uint8_t* row = w + n * nb * BB;
@@ -438,7 +448,7 @@ struct WPairs {
         _mm512_storeu_ps(d.data() + (n * np + bp) * 16, _mm512_insertf32x8(_mm512_set1_ps(d0), _mm256_set1_ps(d1), 1));
         for (int64_t b = 2 * bp; b < std::min(nb, 2 * bp + 2); ++b) {
           const uint8_t* one = row + b * BB;
-          m[n * nb + b] = Type == Q4_1 ? half_at(one + 2) : Type == Q4_0 ? -8.f * half_at(one) : 0.f;
+          m[n * nb + b] = block_offset<Type>(one);
         }
       }
     }
@@ -578,10 +588,14 @@ struct WBlocks8 {
       : q((rows + R - 1) / R * R * K), d((rows + R - 1) / R * (K / QK) * 8), m(rows * (K / QK)), nb(K / QK) {}
 
   void decode(const uint8_t* w, int64_t rows) {
-    constexpr int64_t BB = Type == Q8_0 ? 34 : Type == Q4_1 ? 20 : 18;
+    constexpr int64_t BB = BLOCK32_BYTES<Type>;
+    auto set_scale = [&](int64_t n, int64_t b, float v) {  // row n's lane in both halves of its four's scales
+      float* four = d.data() + ((n / R) * nb + b) * 8;
+      four[n % R] = four[4 + n % R] = v;
+    };
     for (int64_t n = rows; n % R; ++n) {  // the zero rows after the last
       std::fill_n(q.data() + n * nb * QK, nb * QK, int16_t(0));
-      for (int64_t b = 0; b < nb; ++b) d[((n / R) * nb + b) * 8 + n % R] = d[((n / R) * nb + b) * 8 + 4 + n % R] = 0.f;
+      for (int64_t b = 0; b < nb; ++b) set_scale(n, b, 0.f);
     }
     for (int64_t n = 0; n < rows; ++n)
       for (int64_t b = 0; b < nb; ++b) {
@@ -590,9 +604,8 @@ struct WBlocks8 {
         int16_t* dst = q.data() + (n * nb + b) * QK;
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), q16.lo);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16), q16.hi);
-        const float dd = half_at(blk);
-        d[((n / R) * nb + b) * 8 + n % R] = d[((n / R) * nb + b) * 8 + 4 + n % R] = dd;
-        m[n * nb + b] = Type == Q4_1 ? half_at(blk + 2) : Type == Q4_0 ? -8.f * dd : 0.f;
+        set_scale(n, b, half_at(blk));
+        m[n * nb + b] = block_offset<Type>(blk);
       }
   }
 };
@@ -683,8 +696,8 @@ void qgemm8(float* op, const XBlocks& xq, int64_t M, int64_t K, const uint8_t* w
 // Any number of rows, each output element by the arithmetic of the 1-4 row GEMV whatever M is: the rows
 // four at a time through the same code (a row's sums never meet another row's), or past four rows the
 // sixteen-lane form of the same arithmetic where the CPU has AVX512 (qgemm16), past 32 the tiled
-// form on AVX2 (qgemm8): batch-invariant by construction. Each thread takes a range of W's rows in chunks that stay in cache (~64 KB) while every
-// group of x's rows passes over them.
+// form on AVX2 (qgemm8): batch-invariant by construction. Each thread takes a range of W's rows in
+// chunks that stay in cache (~64 KB) while every group of x's rows passes over them.
 template <int64_t Type>
 void qgemm_impl(float* op, const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t N, const float* bias) {
 #if defined(ATOM_ELEMENTWISE_AVX512) && defined(__AVX2__) && defined(__FMA__)
@@ -728,7 +741,7 @@ void check_weight(const at::Tensor& w, int64_t K, int64_t type, const char* name
 
 template <int64_t Type, typename T>
 void dequantize_rows(const uint8_t* w, T* out, int64_t K, int64_t n0, int64_t n1) {
-  constexpr int64_t BB = Type == Q8_0 ? 34 : Type == Q4_1 ? 20 : 18;
+  constexpr int64_t BB = BLOCK32_BYTES<Type>;
   const int64_t nb = K / QK;
   for (int64_t n = n0; n < n1; ++n) {
     for (int64_t b = 0; b < nb; ++b) {
