@@ -320,6 +320,7 @@ struct Amx {
   static bool fits(const Problem<T>& p) { return amx_fits(p.H, p.KVH, p.D, p.BS); }
 
   static int unit_tokens(int G) { return std::max(1, AMX_ROWS / G); }
+  static constexpr bool ROW_RANGES = false;  // the tiles take every row of a unit at once
 
   // Batch-invariant on the tiles (`partition`, a multiple of 128): a row's products, its softmax
   // steps of 128 keys and their lanes' sums are the same in a decode and in any prefill tile, the

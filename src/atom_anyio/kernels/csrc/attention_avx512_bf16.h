@@ -427,6 +427,7 @@ struct Avx512Bf16Fp8 : Chunked<Avx512Bf16Fp8<C>, c10::BFloat16, C> {
   using P = Problem<T, C>;
   static constexpr bool SCORES_FROM_KEYS = false;  // attend_in_chunks' rows: staged
   static constexpr int SEG = 256;                  // the keys one pair of passes covers: its scores stay in L1
+  static constexpr bool ROW_RANGES = false;        // decode takes every row of a unit
 
   static bool fits(const P& p) { return p.D % 64 == 0; }
 
@@ -479,7 +480,7 @@ struct Avx512Bf16Fp8 : Chunked<Avx512Bf16Fp8<C>, c10::BFloat16, C> {
     const int H = p.H, G = p.G, D = p.D, KVH = p.KVH, BS = p.BS;
     const int nt = u.tokens(), num_rows = nt * H, group_rows = nt * G;
     constexpr int LD = SEG + KW;
-    for_unit_rows(p, u, [&](int r, int pos, const T* q) {
+    for_unit_rows(p, u, 0, num_rows, [&](int r, int pos, const T* q) {
       s.qpos[r] = pos;
       for (int d = 0; d < D; ++d) s.qrows[r * D + fp8_key_slot(d)] = T(float(q[d]) * FP8_UP);
     });

@@ -53,11 +53,13 @@ struct Unit {
   int tokens() const { return q_end - q_begin; }
 };
 
-// The keys one attend call covers, [lo, hi). The caller reads on to fetch_hi next (a unit's next
+// The keys one attend call covers, [lo, hi), for the unit's rows [r_lo, r_hi) (every row unless
+// the variant takes row ranges: V::ROW_RANGES). The caller reads on to fetch_hi next (a unit's next
 // partition on this thread), and `fetched` says the previous call fetched these keys ahead.
 struct Span {
   int lo, hi, fetch_hi;
   bool fetched;
+  int r_lo, r_hi;
 };
 
 // a unit's rows (kv head major, then query token, then head of the group): running max, sum and
@@ -127,6 +129,27 @@ void attention_loop(const Problem<T, C>& p) {
   // one task per item when the units alone cannot keep the threads busy, else one per unit
   // (its partitions in order, merged in the task: no partials kept for the whole step)
   const bool per_item = merged && num_units < 4 * threads;
+  // Fixed partitions leave a short context's decode one item, one thread's work while the others
+  // wait (SmolLM2 at 600 keys on a Zen 3: 11.4 ms a token against 9.6 split in halves). A
+  // variant that takes row ranges then splits each item's rows over tasks, so that the tasks
+  // divide evenly over the threads: a row's arithmetic is its own whichever rows share its
+  // call, so its bits are the same (each kv head a cut crosses is read by both sides).
+  int row_groups = 1;
+  if (fixed > 0 && per_item && V::ROW_RANGES && int(items.size()) < 4 * threads) {
+    row_groups = threads / std::gcd(int(items.size()), threads);
+    for (const Unit& u : units) row_groups = std::min(row_groups, u.tokens() * H);
+  }
+  struct Task {
+    int item, r_lo, r_hi;
+  };
+  std::vector<Task> tasks;  // per unit: its row groups, each group's partitions in order
+  if (per_item)
+    for (int ui = 0; ui < num_units; ++ui) {
+      const int rows = units[ui].tokens() * H;
+      for (int g = 0; g < row_groups; ++g)
+        for (int it = first_item[ui]; it < first_item[ui + 1]; ++it)
+          tasks.push_back({it, g * rows / row_groups, (g + 1) * rows / row_groups});
+    }
   std::vector<float> partial_o, partial_ml;
   if (per_item) {
     partial_o.assign(items.size() * part_rows * D, 0.f);
@@ -163,7 +186,7 @@ void attention_loop(const Problem<T, C>& p) {
     }
   };
 
-  const int64_t num_tasks = per_item ? int64_t(items.size()) : num_units;
+  const int64_t num_tasks = per_item ? int64_t(tasks.size()) : num_units;
   // Units taken one by one as threads come free, heaviest (rows x keys) first: split in contiguous
   // shares, a lone fresh prompt's later tiles (which see more keys) had fallen to one thread,
   // up to three times the other's work.
@@ -179,29 +202,32 @@ void attention_loop(const Problem<T, C>& p) {
     std::vector<float> o(max_rows * D), m(max_rows), l(max_rows), acc(D);
     std::vector<float> unit_o, unit_ml;  // a unit's partials, when its task merges them
     typename V::Scratch scratch(p, max_rows);
-    // rows' m, l, o over the span's keys of unit u
+    // the span's rows' m, l, o over its keys of unit u
     auto attend = [&](const Unit& u, Span span) {
-      const int rows = u.tokens() * H;
-      std::fill(o.begin(), o.begin() + rows * D, 0.f);
-      std::fill(m.begin(), m.begin() + rows, NEG_INF);
-      std::fill(l.begin(), l.begin() + rows, 0.f);
+      std::fill(o.begin() + span.r_lo * D, o.begin() + span.r_hi * D, 0.f);
+      std::fill(m.begin() + span.r_lo, m.begin() + span.r_hi, NEG_INF);
+      std::fill(l.begin() + span.r_lo, l.begin() + span.r_hi, 0.f);
       V::attend(scratch, p, u, span, Rows{m.data(), l.data(), o.data()});
     };
-    // a partial (unnormalised output, running max and sum) into ml/po at slot s
-    auto keep = [&](int rows, float* ml, float* po, int s) {
-      std::copy(o.begin(), o.begin() + rows * D, po + size_t(s) * part_rows * D);
-      for (int r = 0; r < rows; ++r) {
+    // a partial's rows [r0, r1) (unnormalised output, running max and sum) into ml/po at slot s
+    auto keep = [&](int r0, int r1, float* ml, float* po, int s) {
+      std::copy(o.begin() + r0 * D, o.begin() + r1 * D, po + (size_t(s) * part_rows + r0) * D);
+      for (int r = r0; r < r1; ++r) {
         ml[(size_t(s) * part_rows + r) * 2] = m[r];
         ml[(size_t(s) * part_rows + r) * 2 + 1] = l[r];
       }
     };
-    if (per_item) {  // this thread's tasks are in order: a unit's next partition is often the next task
+    if (per_item) {  // this thread's tasks are in order: a row group's next partition is often the next task
       for (int64_t task = begin; task < end; ++task) {
-        const Item& it = items[task];
-        const bool next_same = task + 1 < end && items[task + 1].unit == it.unit;
-        const bool prev_same = task > begin && items[task - 1].unit == it.unit;
-        attend(units[it.unit], {it.key_lo, it.key_hi, next_same ? items[task + 1].key_hi : it.key_hi, prev_same});
-        keep(units[it.unit].tokens() * H, partial_ml.data(), partial_o.data(), int(task));
+        const Task& t = tasks[task];
+        const Item& it = items[t.item];
+        auto same = [&](int64_t other) {  // the same unit's and rows' work
+          return other >= begin && other < end && items[tasks[other].item].unit == it.unit &&
+                 tasks[other].r_lo == t.r_lo;
+        };
+        const int fetch_hi = same(task + 1) ? items[tasks[task + 1].item].key_hi : it.key_hi;
+        attend(units[it.unit], {it.key_lo, it.key_hi, fetch_hi, same(task - 1), t.r_lo, t.r_hi});
+        keep(t.r_lo, t.r_hi, partial_ml.data(), partial_o.data(), t.item);
       }
       return;
     }
@@ -216,14 +242,14 @@ void attention_loop(const Problem<T, C>& p) {
         unit_ml.resize(size_t(count) * part_rows * 2);
         for (int s = 0; s < count; ++s) {
           const Item& it = items[first_item[task] + s];
-          attend(u, {it.key_lo, it.key_hi, u.key_hi, s > 0});  // the partitions in order: each fetches the next
-          keep(rows, unit_ml.data(), unit_o.data(), s);
+          attend(u, {it.key_lo, it.key_hi, u.key_hi, s > 0, 0, rows});  // the partitions in order: each fetches the next
+          keep(0, rows, unit_ml.data(), unit_o.data(), s);
         }
         merge(u, count, unit_ml.data(), unit_o.data(), acc.data());
         continue;
       }
       const Item& whole = items[first_item[task]];
-      attend(u, {whole.key_lo, whole.key_hi, whole.key_hi, false});
+      attend(u, {whole.key_lo, whole.key_hi, whole.key_hi, false, 0, rows});
       for (int r = 0; r < rows; ++r) {
         T* dst = out_row(u, nt, r);
         const float sum = l[r] + sink_term(nt, r, m[r]);
@@ -250,18 +276,36 @@ void attention_loop(const Problem<T, C>& p) {
 // on a Zen 5: 8.7-9.3 GB/s read that way, 21-24 GB/s spread four chunks ahead).
 struct Ahead {
   const char* p = nullptr;
-  int64_t left = 0;  // bytes not yet issued
+  int64_t left = 0;    // bytes not yet issued
+  int64_t run = 0;     // > 0: runs of this many bytes (whole lines), one every `stride`; 0: one run
+  int64_t stride = 0;
+  int64_t at = 0;      // issued of the present run
   inline void issue(int64_t bytes) {
-    for (; bytes > 0 && left > 0; bytes -= 64, left -= 64, p += 64) __builtin_prefetch(p, 0, 2);
+    for (; bytes > 0 && left > 0; bytes -= 64, left -= 64) {
+      __builtin_prefetch(p + at, 0, 2);
+      at += 64;
+      if (at == run) p += stride, at = 0;
+    }
   }
 };
 
-// f(r, pos, q) for each row r of unit u (kv head major, then query token, then head of the group):
-// its query token's position and its query's D values
+// The lines of n consecutive slots' kv heads [h_lo, h_hi) of a cache from slot row `first` (every
+// head: one run; fewer: a run a slot)
+template <typename C>
+inline Ahead head_lines(const C* first, int n, int64_t slot_stride, int h_lo, int h_hi, int D) {
+  const char* at = reinterpret_cast<const char*>(first + int64_t(h_lo) * D);
+  const int64_t bytes = int64_t(h_hi - h_lo) * D * int64_t(sizeof(C));
+  if (bytes == slot_stride * int64_t(sizeof(C))) return {at, n * bytes};
+  const int64_t run = (bytes + 63) / 64 * 64;
+  return {at, n * run, run, slot_stride * int64_t(sizeof(C))};
+}
+
+// f(r, pos, q) for each row r in [r_lo, r_hi) of unit u (kv head major, then query token, then
+// head of the group): its query token's position and its query's D values
 template <typename T, typename C, class F>
-void for_unit_rows(const Problem<T, C>& p, const Unit& u, F&& f) {
+void for_unit_rows(const Problem<T, C>& p, const Unit& u, int r_lo, int r_hi, F&& f) {
   const int nt = u.tokens(), group_rows = nt * p.G, first_pos = p.first_pos(u.seq);
-  for (int r = 0; r < nt * p.H; ++r) {
+  for (int r = r_lo; r < r_hi; ++r) {
     const int h = r / group_rows, i = u.q_begin + (r / p.G) % nt, g = r % p.G;
     f(r, first_pos + i, p.q + (int64_t(p.qstart[u.seq] + i) * p.H + h * p.G + g) * p.D);
   }
@@ -307,11 +351,12 @@ struct Chunk {
 //   V::finish(s, p, num_rows, o)              the rows' outputs back in dim order
 template <class V, typename T, typename C>
 void attend_in_chunks(typename V::Scratch& s, const Problem<T, C>& p, const Unit& u, const Span& span, Rows rows) {
-  const int H = p.H, G = p.G, D = p.D, KVH = p.KVH, BS = p.BS;
-  const int nt = u.tokens(), num_rows = nt * H, group_rows = nt * G;
+  const int G = p.G, D = p.D, BS = p.BS;
+  const int nt = u.tokens(), group_rows = nt * G;
+  const int h_lo = span.r_lo / group_rows, h_hi = (span.r_hi + group_rows - 1) / group_rows;  // the rows' kv heads
   const bool row_scores = p.partition == 0 && group_rows * 10 <= D;
   const bool staged = !(V::SCORES_FROM_KEYS && row_scores);
-  for_unit_rows(p, u, [&](int r, int pos, const T* q) {
+  for_unit_rows(p, u, span.r_lo, span.r_hi, [&](int r, int pos, const T* q) {
     s.qpos[r] = pos;
     V::load_query(s, p, r, q);
   });
@@ -324,29 +369,30 @@ void attend_in_chunks(typename V::Scratch& s, const Problem<T, C>& p, const Unit
     Ahead ak, av;
     int64_t piece = 0;  // half a kv head's share of the lines (no division by the heads)
     if (!ahead.done()) {
-      const int64_t bytes = ahead.size() * p.slot_stride * int64_t(sizeof(C));
       piece = (ahead.size() * int64_t(D) * int64_t(sizeof(C)) / 2 + 63) / 64 * 64;
-      ak = {reinterpret_cast<const char*>(p.k + ahead.slot() * p.slot_stride), bytes};
-      av = {reinterpret_cast<const char*>(p.v + ahead.slot() * p.slot_stride), bytes};
+      ak = head_lines(p.k + ahead.slot() * p.slot_stride, ahead.size(), p.slot_stride, h_lo, h_hi, D);
+      av = head_lines(p.v + ahead.slot() * p.slot_stride, ahead.size(), p.slot_stride, h_lo, h_hi, D);
       ahead.next();
     }
-    for (int h = 0; h < KVH; ++h) {
+    for (int h = h_lo; h < h_hi; ++h) {
       ak.issue(piece);
       const Chunk<C> chunk{p.k + slot * p.slot_stride + int64_t(h) * D, p.v + slot * p.slot_stride + int64_t(h) * D,
                            n, key0};
       if (staged) V::stage_keys(s, p, chunk.k, n);
-      ak.issue(h + 1 < KVH ? piece : ak.left);
+      ak.issue(h + 1 < h_hi ? piece : ak.left);
       av.issue(piece);
-      V::step(s, p, chunk, h * group_rows, group_rows, staged, rows);
-      av.issue(h + 1 < KVH ? piece : av.left);
+      const int r0 = std::max(span.r_lo, h * group_rows), r1 = std::min(span.r_hi, (h + 1) * group_rows);
+      V::step(s, p, chunk, r0, r1 - r0, staged, rows);
+      av.issue(h + 1 < h_hi ? piece : av.left);
     }
   }
-  V::finish(s, p, num_rows, rows.o);
+  V::finish(s, p, span.r_hi - span.r_lo, rows.o + int64_t(span.r_lo) * D);
 }
 
 // What a vector variant V shares: its units' shape, its keys' start, and attend_in_chunks
 template <class V, typename T, typename C = T>
 struct Chunked {
+  static constexpr bool ROW_RANGES = true;  // attend_in_chunks takes the span's rows only
   static int unit_tokens(int G) { return std::max(1, 36 / G); }  // about 36 rows per kv head
   static int first_key(int lo, const Problem<T, C>&) { return lo; }
   template <class Scratch>
