@@ -285,7 +285,9 @@ def test_select_backend_names_and_refusals(monkeypatch):
         ("avx2 avx512f avx512_bf16 amx_bf16 amx_tile", torch.bfloat16, False, True),
         ("avx2 avx512f avx512_bf16 amx_bf16 amx_tile", torch.float32, False, False),
         ("avx2 avx512f avx512_bf16", torch.float32, False, False),
-        ("avx2 fma", torch.float32, False, False),
+        ("avx2 avx512f", torch.float32, False, False),  # Xeon without BF16: SDPA's AVX512 GEMMs
+        ("avx2 fma", torch.float32, True, False),  # AMD Zen 3: the kernel's AVX2 code
+        ("avx2 fma", torch.bfloat16, False, False),
     ],
 )
 def test_auto_picks_the_prefill_path_by_the_cpu_and_dtype(monkeypatch, flags, dtype, kernel_prefill, amx_prefill):
