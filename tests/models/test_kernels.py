@@ -198,9 +198,7 @@ FEW_ITEMS = {"one_partition": ([1], [50]), "three_partitions": ([1], [150]), **L
 
 @pytest.mark.parametrize("layout", ["one_partition", "three_partitions", "decodes", "mixed"])
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (32, 8, 64, 16), (4, 1, 32, 4)])
-def test_batch_invariant_calls_of_few_sequences_equal_the_portable_path(
-    layout, heads, kv_heads, head_dim, block_size
-):
+def test_batch_invariant_calls_of_few_sequences_equal_the_portable_path(layout, heads, kv_heads, head_dim, block_size):
     """Fixed key partitions (here 64 keys, so short contexts split too): a step of few sequences
     has too few partitions for the threads, and the kernel splits their rows over its tasks (cuts
     inside a kv head's rows too); on one, two or three threads every row equals the reference."""

@@ -23,6 +23,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from support_servers import free_port, serving_app, wait_healthy, wait_until
 
+from atom_anyio import LLM
 from atom_anyio.api.app import AtomApp
 from atom_anyio.cli import main as cli_main
 from atom_anyio.cli import serve
@@ -30,6 +31,7 @@ from atom_anyio.config import Config
 from atom_anyio.engine.stats import Buckets
 from atom_anyio.obs.logging import configure_logging
 from atom_anyio.obs.logs_cli import summarize
+from atom_anyio.obs.metrics import Metrics
 
 pytestmark = pytest.mark.anyio
 
@@ -184,8 +186,38 @@ async def test_vllm_metrics_count_the_served_requests_under_vllms_names_and_labe
     assert buckets(after, "vllm:inter_token_latency_seconds")[: len(VLLM_ITL_BUCKETS)] == VLLM_ITL_BUCKETS
     assert v(after, "vllm:kv_cache_usage_perc") == value(after, "atom_kv_cache_usage_ratio")
     for family in text_string_to_metric_families(after):
-        if family.name.startswith("vllm:"):
+        if family.name.startswith("vllm:") and family.name != "vllm:cache_config_info":  # an info gauge: below
             assert {tuple(sorted(set(s.labels) - {"le"})) for s in family.samples} == {("engine", "model_name")}
+
+
+def cache_config_info(text: str) -> dict[str, str]:
+    """The labels of the one ``vllm:cache_config_info`` sample (an info gauge: its value is 1)."""
+    [sample] = samples(text)["vllm:cache_config_info"]
+    assert sample.name == "vllm:cache_config_info" and sample.value == 1
+    return sample.labels
+
+
+async def test_the_kv_caches_configuration_is_vllms_cache_config_info(atom):
+    """What a KV-aware router reads for a replica's capacity (num_gpu_blocks x block_size tokens)."""
+    client, engine = atom.quart.test_client(), atom.runtime.engine
+    info = cache_config_info(await scrape(client))
+    blocks = engine.block_manager.num_blocks
+    assert blocks > 0 and info["num_gpu_blocks"] == str(blocks) and info["block_size"] == "16"
+    assert info["kv_cache_size_tokens"] == str(blocks * 16) == str(engine.max_kv_tokens)
+    assert info["kv_cache_max_concurrency"] == str(blocks * 16 / 2048)  # the test server's max_model_len
+    assert int(info["kv_cache_memory_bytes"]) == blocks * engine.kv_bytes_per_block <= 0.05 * 2**30
+    assert info["cache_dtype"] == "auto" and info["enable_prefix_caching"] == "True"
+    assert info["kv_offloading_size"] == info["num_gpu_blocks_override"] == "None" and info["engine"] == "0"
+
+
+def test_cache_config_info_names_an_fp8_pool_and_its_tier(tiny_model):
+    llm = LLM(tiny_model, kv_cache_dtype="fp8", num_kv_blocks=40, kv_offloading_size=0.01)
+    metrics = Metrics()
+    metrics.bind_engine(llm.engine, "tiny")
+    info = cache_config_info(metrics.render().decode())
+    assert info["cache_dtype"] == "fp8" and info["num_gpu_blocks"] == info["num_gpu_blocks_override"] == "40"
+    assert info["kv_offloading_size"] == "0.01" and info["kv_cache_size_tokens"] == "640"
+    assert int(info["kv_cache_memory_bytes"]) == 40 * llm.engine.kv_bytes_per_block
 
 
 async def test_vllm_request_gauges_show_a_running_and_a_waiting_request(tiny_model):

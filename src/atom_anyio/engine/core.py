@@ -125,6 +125,7 @@ class Engine:
         self.step_timings: dict[str, float] = {"schedule": 0.0, "forward": 0.0, "sample": 0.0, "postprocess": 0.0}
         self.num_steps = 0
         self.step_seconds, self.tier_copy_seconds = Buckets(), Buckets()  # for /metrics: fixed sizes
+        self.kv_bytes_per_block = per_block
         log.info(
             "engine.kv_pool",
             num_tokens=num_blocks * cfg.block_size,
@@ -144,6 +145,27 @@ class Engine:
         budget = max(1, pool_bytes // bytes_per_block)
         usable = cfg.max_num_seqs * math.ceil(self.max_model_len / cfg.block_size)
         return min(budget, usable)
+
+    def cache_config_info(self) -> dict[str, str]:
+        """The KV cache's configuration as vLLM's ``vllm:cache_config_info`` labels (its ``CacheConfig``'s
+        fields as strings, the pool's size resolved), which KV-aware routers read for a replica's
+        capacity (``num_gpu_blocks`` x ``block_size`` tokens; vLLM on a CPU names its pool so too)."""
+        cfg, bm = self.cfg, self.block_manager
+        tokens = bm.num_blocks * bm.block_size
+        return {
+            "block_size": str(bm.block_size),
+            "cache_dtype": cfg.kv_cache_dtype,
+            "enable_prefix_caching": str(cfg.enable_prefix_caching),
+            "prefix_caching_hash_algo": "builtin",
+            "num_gpu_blocks": str(bm.num_blocks),
+            "num_gpu_blocks_override": str(cfg.num_kv_blocks),
+            "num_cpu_blocks": "None",
+            "kv_cache_memory_bytes": str(bm.num_blocks * self.kv_bytes_per_block * cfg.tensor_parallel_size),
+            "kv_cache_size_tokens": str(tokens),
+            "kv_cache_max_concurrency": str(tokens / self.max_model_len),
+            "kv_offloading_size": str(cfg.kv_offloading_size) if bm.tier is not None else "None",
+            "sliding_window": str(getattr(self.model_config, "sliding_window", None)),
+        }
 
     @property
     def max_kv_tokens(self) -> int:

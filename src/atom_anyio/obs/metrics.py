@@ -47,6 +47,8 @@ class StatsSource(Protocol):
 
     def stats(self) -> EngineStats: ...
 
+    def cache_config_info(self) -> dict[str, str]: ...
+
 
 class EngineCollector(Collector):
     """Gauges and counters of the engine's stats record, read at scrape time."""
@@ -250,6 +252,12 @@ class Metrics:
         labels = [model_name, "0"]
         self.registry.register(VllmEngineCollector(engine, labels))
         self.vllm = VllmSeries(self.registry, labels)
+        # vLLM's info series: a gauge at 1 whose labels are the KV cache's configuration (no model_name, as vLLM's)
+        info = {**engine.cache_config_info(), "engine": "0"}
+        gauge = Gauge(
+            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", list(info), registry=self.registry
+        )
+        gauge.labels(**info).set(1)
 
     def bind_admission(self, server: Admitting) -> None:
         self.registry.register(AdmissionCollector(server))
