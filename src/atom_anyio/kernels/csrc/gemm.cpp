@@ -45,7 +45,6 @@ constexpr int64_t TILE_BYTES = 1024;  // a packed B tile: 16 rows of 64 bytes
 // weights, low nibble first) or 32 int8 for Q8_0, then the 16 columns' d and (Q4_1) m as float16.
 // A weight is the reference's (quant.py, dequantize_rows): d q + m (two roundings), d (q - 8),
 // d q, rounded to bfloat16 as the dense copy is, so a linear gives the dense copy's bits.
-enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  // ggml's type ids
 constexpr int64_t Q4_TILE_BYTES = 16 * 16 + 2 * 16 * 2, Q8_TILE_BYTES = 16 * 32 + 16 * 2;
 
 inline int64_t qtile_bytes(int64_t type) { return type == Q8_0 ? Q8_TILE_BYTES : Q4_TILE_BYTES; }

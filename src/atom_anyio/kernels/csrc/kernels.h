@@ -17,6 +17,9 @@ class Library;
 
 namespace atom {
 
+// the GGUF block types the kernels take (quant.cpp's GEMVs, gemm.cpp's tiles: Q4_0, Q4_1, Q8_0), by ggml's type ids
+enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
+
 // Which variants run comes with each call, from the model's plan (models/plan.py): `native`, the native
 // variants where built (false: their portable twins, cpu_native_kernels), and `amx`, bfloat16 attention on
 // the AMX tiles where built and lent (false: the AVX512-BF16 variant, as without AMX; cpu_amx), for the attention

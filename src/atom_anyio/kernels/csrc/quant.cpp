@@ -38,7 +38,6 @@ using namespace atom;
 
 constexpr int QK = 32;    // weights per block (per sub-block of a K-quant)
 constexpr int QKK = 256;  // weights per K-quant super-block
-enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };  // ggml's type ids
 
 constexpr bool is_k_quant(int64_t type) { return type == Q4_K || type == Q6_K; }
 
