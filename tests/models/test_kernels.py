@@ -196,22 +196,28 @@ def test_long_windowed_decodes_split_over_the_keys_equal_the_portable_path(windo
 FEW_ITEMS = {"one_partition": ([1], [50]), "three_partitions": ([1], [150]), **LAYOUTS}
 
 
+@pytest.mark.parametrize("window,sinks", [(None, False), (40, True)], ids=["causal", "window-sinks"])
 @pytest.mark.parametrize("layout", ["one_partition", "three_partitions", "decodes", "mixed"])
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (32, 8, 64, 16), (4, 1, 32, 4)])
-def test_batch_invariant_calls_of_few_sequences_equal_the_portable_path(layout, heads, kv_heads, head_dim, block_size):
+def test_batch_invariant_calls_of_few_sequences_equal_the_portable_path(
+    layout, heads, kv_heads, head_dim, block_size, window, sinks
+):
     """Fixed key partitions (here 64 keys, so short contexts split too): a step of few sequences
     has too few partitions for the threads, and the kernel splits their rows over its tasks (cuts
-    inside a kv head's rows too); on one, two or three threads every row equals the reference."""
+    inside a kv head's rows too); on one, two or three threads every row equals the reference,
+    a sliding window and sinks included."""
     query_lens, context_lens = FEW_ITEMS[layout]
     q, k, v, k_cache, v_cache, meta = paged_step(query_lens, context_lens, heads, kv_heads, head_dim, block_size)
-    ref = TorchPagedAttention().forward(q, k, v, k_cache.clone(), v_cache.clone(), meta)
+    sink_logits = torch.randn(heads, generator=torch.Generator().manual_seed(9)) if sinks else None
+    kwargs = {"sliding_window": window, "sinks": sink_logits}
+    ref = TorchPagedAttention().forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, **kwargs)
     backend = CpuPagedAttention(batch_invariant=True)
     backend.partition = lambda meta: 64
     before = torch.get_num_threads()
     try:
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
-            out = backend.forward(q, k, v, k_cache.clone(), v_cache.clone(), meta)
+            out = backend.forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, **kwargs)
             torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-6)
     finally:
         torch.set_num_threads(before)
