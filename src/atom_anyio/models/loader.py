@@ -201,7 +201,8 @@ def batch_invariant_auto_reason(model: LlamaForCausalLM) -> str | None:
     the blocks' chain, faster than the default at 1-16 rows and 1.2x its time in prefill
     (docs/engine.md: 7% of SmolLM2's served output at one stream, 7-17% at c16). Elsewhere it stays
     a setting: the oneDNN and MKL GEMMs pay for it (float32 on an AVX2-only Zen 3, the blocks'
-    int16 arithmetic against MKL: 13-22% at c16, 21% at one stream, docs/engine.md)."""
+    int16 arithmetic against MKL in prefill: 0.66x the default's output at c16, 0.78x at one
+    stream, docs/engine.md)."""
     backend, cfg = model.attention_backend, model.config
     if not may_be_auto_invariant(model) or backend.batch_invariant:
         return None
