@@ -19,7 +19,7 @@ from atom_anyio.models.decoder import FULL, SLIDING, LlamaForCausalLM, ModelConf
 from atom_anyio.models.loader import load_model
 from atom_anyio.models.moe import MoeConfig
 from atom_anyio.models.ops import can_pack_bf16, pack_bf16_linears
-from atom_anyio.models.quant import QuantizedWeight
+from atom_anyio.models.quant import QuantizedWeight, QuantLinear
 
 Q = gguf.GGMLQuantizationType
 BLOCK = 4
@@ -172,13 +172,32 @@ def tiny_ggufs(tmp_path_factory):
 )
 @pytest.mark.parametrize("gguf_weights", ["both", "packed"])
 def test_fused_step_equals_the_op_by_op_path_with_quantized_weights(tiny_ggufs, qtype, step, gguf_weights):
-    """What auto picks on an AVX2 CPU (with the dense copy, or without where it does not fit),
-    forced on any; past sixteen rows the fused decoder runs the copy's GEMM, as the op-by-op path."""
-    model = load_model(tiny_ggufs[qtype], dtype="float32", attention_backend="cpu_paged", gguf_weights=gguf_weights)
+    """Float32 with invariance off (with the dense copy, or without where it does not fit), as auto
+    picks for GGUF types the float32 tiles do not take (Q4_K) or on a CPU with AVX512; past sixteen
+    rows the fused decoder runs the copy's GEMM, as the op-by-op path."""
+    model = load_model(
+        tiny_ggufs[qtype],
+        dtype="float32",
+        attention_backend="cpu_paged",
+        gguf_weights=gguf_weights,
+        batch_invariant=False,
+    )
     model = model.model
     assert model.dtype_name == f"float32+{qtype.name}"  # kept quantized: the embedding and the head too
     dense = model.model.layers[0].mlp.gate_up_proj.weight.dense
     assert (dense is not None) == (gguf_weights == "both")
+    assert_same(model, step)
+
+
+@pytest.mark.skipif(kernels.f32_tile_linears_reason() is None, reason="the float32 tiles: an AVX2-only CPU's")
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda t: t.name)
+@pytest.mark.parametrize("step", ["one decode", "six decodes", "decodes and a chunk over a cached prefix"])
+def test_fused_step_equals_the_op_by_op_path_on_the_float32_tiles(tiny_ggufs, qtype, step):
+    """What auto picks on an AVX2-only CPU: every linear on the float32 tile GEMM (no dense copy),
+    the fused decoder's steps the op-by-op path's bits."""
+    model = load_model(tiny_ggufs[qtype], dtype="float32", attention_backend="cpu_paged", gguf_weights="both").model
+    linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert linears and all(m.tile_qweight is not None and m.weight.dense is None for m in linears)
     assert_same(model, step)
 
 

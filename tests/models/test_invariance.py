@@ -274,6 +274,7 @@ def test_a_sequences_logits_do_not_depend_on_batch_chunks_cache_or_async(request
 
 # auto's invariance over the vector variant of the tile GEMM (AVX512-BF16 without AMX, or cpu_amx off)
 VECTOR_TILES = "vector tiles"
+FLOAT32_TILES = "float32 tiles"  # over the float32 tile GEMM (kernels.f32_tile_linears_reason)
 
 
 @pytest.mark.parametrize(
@@ -291,26 +292,32 @@ VECTOR_TILES = "vector tiles"
         pytest.param("bfloat16+packed", "wide_q4_k", {}, False, id="blocks-without-tiles"),
         # heads 16 wide: the AMX attention does not take them; the vector variant's does
         pytest.param("bfloat16+both", "tiny_gguf", {}, "vector tiles without AMX", id="heads-16-wide"),
-        pytest.param("float32+both", "wide_gguf", {}, False, id="float32"),
+        # float32: on where the float32 tiles take every linear (an AVX2-only CPU), else off
+        pytest.param("float32+both", "wide_gguf", {}, FLOAT32_TILES, id="float32"),
+        pytest.param("float32+both", "wide_q4_k", {}, False, id="float32-without-tiles"),
     ],
 )
 def test_auto_turns_batch_invariance_on_only_where_it_costs_nothing(request, caplog, combination, model, engine, on):
     """At the default, invariance is on where every linear runs on the tile GEMM and the attention's
     invariant form costs nothing: bfloat16 on a CPU with AMX (the AMX GEMM, the attention on the
     tiles, heads it takes), or with AVX512-BF16 and no AMX (or cpu_amx off: the vector variant, GGUF
-    blocks in the blocks' chain); off wherever the GEMMs or the attention would pay for it: native
-    kernels off, blocks the tile GEMM has no tiles for (the GEMV), float32, a CPU without AVX512-BF16.
-    The plan says which, and why, in one line."""
+    blocks in the blocks' chain), and float32 on an AVX2-only CPU (every linear on the float32 tiles);
+    off wherever the GEMMs or the attention would pay for it: native kernels off, blocks the tile
+    GEMMs have no tiles for (the GEMV), float32 on a CPU with AVX512, bfloat16 on a CPU without
+    AVX512-BF16. The plan says which, and why, in one line."""
     dtype, gguf_weights = CPU_COMBINATIONS[combination]
     if on == VECTOR_TILES:
         on = kernels.has_tile_linears()
     elif on == "vector tiles without AMX":
         on = kernels.has_tile_linears() and not kernels.has_amx_linears()
+    elif on == FLOAT32_TILES:
+        on = kernels.f32_tile_linears_reason() is not None
     path = request.getfixturevalue(model)
     llm = LLM(str(path), dtype=dtype, gguf_weights=gguf_weights, num_kv_blocks=64, **engine)
     backend, plan = llm.engine.worker.model.attention_backend, llm.loaded.plan
     assert backend.batch_invariant == plan.batch_invariant == on
     why = ("bfloat16 on AMX" if backend.on_amx_tiles else "bfloat16 on AVX512-BF16") if on else "auto: off"
+    why = "float32 on an AVX2-only CPU" if on and dtype == "float32" else why
     assert plan.batch_invariant_why.startswith(why)
     assert backend.paged_prefill == (on or backend.name == "cpu_paged")
     assert llm.generate([TARGET[:40]], SamplingParams(max_tokens=2))[0].outputs[0].finish_reason == "length"

@@ -39,7 +39,16 @@ log = structlog.get_logger("atom_anyio.kernels")
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [
-    CSRC / name for name in ("registry.cpp", "paged_attention.cpp", "ops.cpp", "quant.cpp", "decoder.cpp", "gemm.cpp")
+    CSRC / name
+    for name in (
+        "registry.cpp",
+        "paged_attention.cpp",
+        "ops.cpp",
+        "quant.cpp",
+        "decoder.cpp",
+        "gemm.cpp",
+        "qtile_f32.cpp",
+    )
 ]
 HEADERS = [
     CSRC / name
@@ -53,6 +62,7 @@ HEADERS = [
         "attention_avx2.h",
         "attention_avx512_bf16.h",
         "attention_amx.h",
+        "qtile_f32_avx2.h",
     )
 ]
 # no FMA contraction of separate products: the elementwise kernels round as torch's ops do
@@ -153,6 +163,17 @@ def has_tile_linears() -> bool:
     """The build has the bfloat16 tile linears (gemm.cpp): AVX512-BF16's variant (``linear_avx512_bf16``),
     which an AMX build has too."""
     return "linear_avx512_bf16" in native_kernels()
+
+
+def f32_tile_linears_reason() -> str | None:
+    """Why float32 GGUF linears run on the float32 tile GEMM here (qtile_f32.cpp: one FMA chain per
+    output element, batch-invariant), or None: an AVX2-only CPU (AMD Zen 3, or ``ATOM_KERNEL_ISA=avx2``)
+    where the build has it. Measured there (docs/engine.md): faster than MKL's GEMM over a dense copy
+    at prefill sizes, 1.3-1.5x the blocks' int16 GEMV at one row."""
+    flags = set(cpu_flags().split())
+    if "avx512f" in flags or not {"avx2", "fma"} <= flags or "linear_f32_avx2" not in native_kernels():
+        return None
+    return "float32 on an AVX2-only CPU: GGUF linears on the float32 tile GEMM"
 
 
 @functools.cache

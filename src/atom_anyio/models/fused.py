@@ -77,7 +77,7 @@ def build(model: nn.Module) -> tuple[torch.ScriptObject | None, str | None]:
             if bfloat16 and getattr(linear, "tile_weight", None) is not None:
                 decoder.set_tile_linear(slot, linear.tile_weight, linear.bias)
                 continue
-            if bfloat16 and getattr(linear, "tile_qweight", None) is not None:
+            if getattr(linear, "tile_qweight", None) is not None:  # bfloat16, or float32's tiles (qtile_f32.cpp)
                 decoder.set_tile_qlinear(slot, linear.tile_qweight, linear.weight.qtype.value, linear.bias)
                 continue
             if bfloat16:

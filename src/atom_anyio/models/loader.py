@@ -28,7 +28,14 @@ from atom_anyio.models.attention import CpuPagedAttention, prefill_path, select_
 from atom_anyio.models.decoder import LlamaForCausalLM, ModelConfig, hf_eos_ids, merge_hf_overrides, pack_weights
 from atom_anyio.models.gguf_file import load_gguf_tokenizer, read_gguf
 from atom_anyio.models.moe import stack_experts
-from atom_anyio.models.ops import CpuOps, can_pack_bf16, on_tiles, pack_bf16_linears
+from atom_anyio.models.ops import (
+    CpuOps,
+    can_pack_bf16,
+    f32_tiles_cover,
+    on_tiles,
+    pack_bf16_linears,
+    pack_f32_tile_linears,
+)
 from atom_anyio.models.plan import ModelPlan, default_model_path, plan_model
 from atom_anyio.models.tensor_parallel import TensorParallel
 
@@ -116,10 +123,23 @@ def load_planned(plan: ModelPlan, rank: int = 0) -> LoadedModel:
     invariant, switches = bool(plan.batch_invariant_requested), (plan.native_kernels, plan.amx)
     model = build_model(cfg, tp.shard_state(state), dtype, device, plan.attention_requested, tp, invariant, *switches)
     backend = model.attention_backend
-    # float32 and invariant: every linear runs its blocks' GEMV at any row count, and a copy would go unread
+    # float32 on an AVX2-only CPU, invariant or where auto may turn it on: the GGUF linears on the float32
+    # tile GEMM, invariant by construction and faster than MKL's over a dense copy at prefill sizes
+    f32_tiles = (
+        isinstance(backend.ops, CpuOps)
+        and dtype == torch.float32
+        and plan.native_kernels
+        and kernels.f32_tile_linears_reason() is not None
+        and (
+            invariant
+            or (plan.batch_invariant_requested is None and may_be_auto_invariant(model) and f32_tiles_cover(model))
+        )
+    )
+    # float32 and invariant: every linear runs its blocks' GEMV (or tiles) at any row count, and a copy
+    # would go unread
     dense_copies = (
         plan.weight_layout == "both"
-        and not (invariant and dtype == torch.float32)
+        and not ((invariant or f32_tiles) and dtype == torch.float32)
         and (plan.gguf_weights == "both" or dense_copy_fits(quant.dense_bytes(model)))
     )
     if dense_copies:
@@ -134,6 +154,9 @@ def load_planned(plan: ModelPlan, rank: int = 0) -> LoadedModel:
             and ((plan.amx and kernels.has_amx_linears()) or invariant or auto_may_turn_on)
         )
         packed_bytes = pack_bf16_linears(model, tile_linears, plan.amx)
+    elif f32_tiles:
+        packed_bytes = pack_f32_tile_linears(model)
+        tile_linears = packed_bytes > 0
     if plan.batch_invariant_requested is not None:
         invariant_why = "requested"
     elif invariant_why := batch_invariant_auto_reason(model):
@@ -209,6 +232,8 @@ def batch_invariant_auto_reason(model: LlamaForCausalLM) -> str | None:
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear | quant.QuantLinear)]
     if not linears or not all(on_tiles(m) for m in linears):
         return None
+    if model.lm_head.weight.dtype == torch.float32:  # the float32 tiles (kernels.f32_tile_linears_reason)
+        return "float32 on an AVX2-only CPU: every linear on the float32 tile GEMM (one FMA chain an element)"
     if not backend.on_amx_tiles:
         return "bfloat16 on AVX512-BF16: every linear on the tile GEMM (GGUF blocks in the blocks' chain)"
     if cfg.head_dim % 64 or cfg.num_attention_heads // cfg.num_key_value_heads > 16:

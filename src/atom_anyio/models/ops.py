@@ -226,6 +226,9 @@ def tile_qlinear(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
     """``x W^T (+ bias)`` on the tile GEMM over the layer's quantized tiles (``pack_tile_qweight``)."""
     w = layer.weight
     out = x.new_empty(x.shape[0], w.shape[0])
+    if x.dtype == torch.float32:  # qtile_f32.cpp: one FMA chain per element
+        torch.ops.atom.tile_qlinear_f32(out, x.contiguous(), layer.tile_qweight, w.qtype.value, layer.bias, True)
+        return out
     torch.ops.atom.tile_qlinear(out, x.contiguous(), layer.tile_qweight, w.qtype.value, layer.bias, layer.tile_amx)
     return out
 
@@ -254,6 +257,42 @@ def pack_tile_qweight(w: QuantizedWeight) -> torch.Tensor:
         scales = blocks[..., :4] if w.qtype == quant.Q.Q4_1 else torch.cat((d, torch.zeros_like(d)), -1)
     d_m = scales.reshape(nb, kb, 16, -1, 2).transpose(2, 3)  # [.., d then m, column, 2 bytes]
     return torch.cat((pairs.reshape(nb, kb, -1), d_m.reshape(nb, kb, -1)), dim=-1).contiguous()
+
+
+def f32_tileable(w) -> bool:
+    """Whether the float32 tile GEMM (qtile_f32.cpp) takes this weight: GGUF blocks it has tiles for, K a
+    multiple of 32, float32 activations, on the CPU."""
+    return (
+        isinstance(w, QuantizedWeight)
+        and w.dtype == torch.float32
+        and w.qtype in TILE_QTYPES
+        and w.shape[1] % 32 == 0
+        and w.device.type == "cpu"
+    )
+
+
+def f32_tiles_cover(model: torch.nn.Module) -> bool:
+    """Whether every linear of the model would run on the float32 tile GEMM (``f32_tileable``)."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear | quant.QuantLinear)]
+    return bool(linears) and all(f32_tileable(m.weight) for m in linears)
+
+
+def pack_f32_tile_linears(model: torch.nn.Module) -> int:
+    """Keep each float32 linear over GGUF blocks the float32 tile GEMM reads (Q4_0, Q4_1, Q8_0; K a
+    multiple of 32) as its quantized tiles (``tile_qweight``, qtile_f32.cpp): one FMA chain per output
+    element at any row count, so batch-invariant by construction; the layer's dense copy, then unread,
+    is dropped unless an embedding looks its rows up. Returns the bytes the tiles take."""
+    looked_up = {id(m.weight) for m in model.modules() if isinstance(m, quant.QuantEmbedding)}
+    num_bytes = 0
+    for m in model.modules():
+        w = getattr(m, "weight", None) if isinstance(m, quant.QuantLinear) else None
+        if not f32_tileable(w):
+            continue
+        m.tile_qweight, m.tile_amx = pack_tile_qweight(w), False
+        num_bytes += m.tile_qweight.nbytes
+        if w.dense is not None and id(w) not in looked_up:
+            m.weight = replace(w, dense=None)
+    return num_bytes
 
 
 def unpack_tile_weight(packed: torch.Tensor, n: int) -> torch.Tensor:

@@ -88,6 +88,11 @@ struct Linear {
       atom::tile_linear_bf16(out, x, tiles, bias.defined() ? c10::optional<at::Tensor>(bias) : c10::nullopt, amx);
       return out;
     }
+    if (qtiles.defined() && x.scalar_type() == at::kFloat) {
+      at::Tensor out = at::empty({M, N}, x.options());
+      atom::tile_qlinear_f32(out, x, qtiles, qtype, bias.defined() ? c10::optional<at::Tensor>(bias) : c10::nullopt);
+      return out;
+    }
     if (qtiles.defined()) {
       at::Tensor out = at::empty({M, N}, x.options());
       atom::tile_qlinear_bf16(out, x, qtiles, qtype, bias.defined() ? c10::optional<at::Tensor>(bias) : c10::nullopt,
@@ -232,9 +237,9 @@ class Decoder : public torch::CustomClassHolder {
   }
 
   // slot's weight (last layer added) as GGUF blocks of type qtype packed as the tile GEMM's quantized tiles
-  // [ceil(N/16)][K/32][bytes] (ops.pack_tile_qweight), bias bfloat16
+  // [ceil(N/16)][K/32][bytes] (ops.pack_tile_qweight), bias in the decoder's dtype: bfloat16 on the bfloat16
+  // tile GEMM (gemm.cpp), float32 on the float32 one (qtile_f32.cpp)
   void set_tile_qlinear(int64_t slot, const at::Tensor& packed, int64_t qtype, const c10::optional<at::Tensor>& bias) {
-    TORCH_CHECK(dtype_ == at::kBFloat16, "Decoder: tile linears run in bfloat16 (use_bfloat16)");
     Linear& lin = slot_linear(slot, "set_tile_qlinear");
     TORCH_CHECK(packed.is_contiguous() && packed.scalar_type() == at::kByte && packed.dim() == 3 &&
                     packed.size(0) == (lin.N + 15) / 16 && packed.size(1) * 32 == lin.K,

@@ -68,6 +68,9 @@ void tile_linear_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& pa
 // the atom::tile_qlinear op (W as GGUF blocks of type qtype packed by ops.pack_tile_qweight)
 void tile_qlinear_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, int64_t qtype,
                        const c10::optional<at::Tensor>& bias, bool amx);
+// qtile_f32.cpp: the atom::tile_qlinear_f32 op's native variant (float32 x, the same packed tiles)
+void tile_qlinear_f32(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, int64_t qtype,
+                      const c10::optional<at::Tensor>& bias);
 
 }  // namespace atom
 
@@ -98,5 +101,9 @@ void tile_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& wp, con
                  bool amx);
 void tile_qlinear(at::Tensor& out, const at::Tensor& x, const at::Tensor& wq, int64_t qtype,
                   const c10::optional<at::Tensor>& bias, bool amx);
+
+// qtile_f32.cpp
+void tile_qlinear_f32(at::Tensor& out, const at::Tensor& x, const at::Tensor& wq, int64_t qtype,
+                      const c10::optional<at::Tensor>& bias, bool native);
 
 }  // namespace atom::op

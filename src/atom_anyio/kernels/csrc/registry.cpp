@@ -31,6 +31,9 @@ std::vector<std::string> native_kernels() {
 #ifdef ATOM_ELEMENTWISE_AVX512
   names.push_back("elementwise_avx512");  // ops.cpp
 #endif
+#if defined(__AVX2__) && defined(__FMA__)
+  names.push_back("linear_f32_avx2");  // qtile_f32.cpp's float32 tile linears
+#endif
   return names;
 }
 
@@ -57,6 +60,8 @@ TORCH_LIBRARY(atom, m) {
   // gemm.cpp
   m.def("tile_linear(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias, bool amx) -> ()");
   m.def("tile_qlinear(Tensor(a!) out, Tensor x, Tensor weight, int qtype, Tensor? bias, bool amx) -> ()");
+  // qtile_f32.cpp
+  m.def("tile_qlinear_f32(Tensor(a!) out, Tensor x, Tensor weight, int qtype, Tensor? bias, bool native) -> ()");
   // decoder.cpp
   m.def("decoder_unsupported_shape(int hidden, int heads, int kv_heads, int head_dim, int intermediate) -> str",
         &atom::decoder_unsupported_shape);
@@ -75,4 +80,5 @@ TORCH_LIBRARY_IMPL(atom, CPU, m) {
   m.impl("dequantize", &atom::op::dequantize);
   m.impl("tile_linear", &atom::op::tile_linear);
   m.impl("tile_qlinear", &atom::op::tile_qlinear);
+  m.impl("tile_qlinear_f32", &atom::op::tile_qlinear_f32);
 }

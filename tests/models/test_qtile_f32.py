@@ -1,0 +1,57 @@
+"""The float32 linears over quantized tiles (kernels/csrc/qtile_f32.cpp): one FMA chain per output
+element, the AVX2 variant equal to the portable twin bit for bit at every row count."""
+
+from __future__ import annotations
+
+import gguf
+import pytest
+import torch
+from support_gguf import random_quantized
+
+from atom_anyio import kernels
+from atom_anyio.models.ops import pack_tile_qweight
+
+pytestmark = pytest.mark.skipif(kernels.load_cpu_kernels() is not None, reason="the CPU kernels do not build here")
+needs_avx2 = pytest.mark.skipif(
+    not {"avx2", "fma"} <= set(kernels.cpu_flags().split()), reason="no AVX2 and FMA on this CPU"
+)
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, qtype: gguf.GGMLQuantizationType, n: int, bias, native: bool):
+    out = torch.empty(x.shape[0], n)
+    torch.ops.atom.tile_qlinear_f32(out, x.contiguous(), packed, qtype.value, bias, native)
+    return out
+
+
+@needs_avx2
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("n,k,bias", [(80, 96, True), (57, 320, False), (40, 1536, True), (9, 64, False)])
+def test_the_avx2_variant_equals_the_portable_chain_for_any_rows(qtype, n, k, bias):
+    """Each row count the AVX2 variant runs its own way (the GEMV with one, two or four column
+    blocks at a time at 1-4 rows, the 6 x 16 GEMM past them with a last tile of rows and of columns
+    cut short, K in blocks of 8 tiles with a shorter last one) gives the portable twin's bits, and a
+    row the same bits whatever rows share its call; within float32 rounding of the exact product
+    over the reference's dequantized weights."""
+    qt = gguf.GGMLQuantizationType[qtype]
+    w, _ = random_quantized(n, k, qt)
+    packed = pack_tile_qweight(w)
+    b = torch.randn(n) if bias else None
+    x = torch.randn(40, k)
+    twin = linear(x, packed, qt, n, b, native=False)
+    exact = x.double() @ w.dequantize(torch.float32).double().t() + (b.double() if bias else 0)
+    torch.testing.assert_close(twin.double(), exact, rtol=1e-5, atol=1e-4)
+    assert torch.equal(linear(x, packed, qt, n, b, native=True), twin)
+    for begin, end in [(0, 1), (3, 5), (1, 4), (0, 4), (0, 5), (2, 9), (0, 6), (7, 20), (5, 40)]:
+        assert torch.equal(linear(x[begin:end], packed, qt, n, b, native=True), twin[begin:end]), f"{begin}:{end}"
+    assert linear(x[:0], packed, qt, n, b, native=True).shape == (0, n)
+
+
+def test_a_weight_packed_for_another_shape_or_type_is_refused():
+    w, _ = random_quantized(32, 64, gguf.GGMLQuantizationType.Q4_1)
+    packed = pack_tile_qweight(w)
+    with pytest.raises(RuntimeError, match="x must be"):
+        linear(torch.randn(2, 96), packed, gguf.GGMLQuantizationType.Q4_1, 32, None, True)
+    with pytest.raises(RuntimeError, match="packed as tiles of type"):
+        linear(torch.randn(2, 64), packed, gguf.GGMLQuantizationType.Q8_0, 32, None, True)
+    with pytest.raises(RuntimeError, match="has no tiles"):
+        linear(torch.randn(2, 64), packed, gguf.GGMLQuantizationType.Q4_K, 32, None, True)
