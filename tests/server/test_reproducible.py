@@ -1,8 +1,9 @@
 """The same request gives the same answer, through the real server on the default model with
 ``batch_invariant`` on: a seeded request at temperature 1 twice, alone and under a concurrent load,
 in every API; ``n`` seeded choices as a set; a greedy answer cold and then from the prefix cache.
-Where auto turns invariance on (bfloat16 with AVX512-BF16: the tile GEMM), the server runs at its
-defaults; elsewhere (an AVX2-only CPU) it is asked for."""
+Where auto turns invariance on (bfloat16 with AVX512-BF16: the tile GEMM; float32 on an AVX2-only CPU:
+the float32 tile GEMM), the server runs at its defaults; elsewhere (float32 with AVX512 but no
+AVX512-BF16) it is asked for."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ COLORS = [{"role": "user", "content": "What is the most obvious color? Answer in
 @pytest.fixture(scope="module")
 def server(smollm2_path, tmp_path_factory) -> Iterator[Served]:
     port = free_port()
-    by_default = kernels.has_tile_linears()
+    # at the defaults where auto turns invariance on: the bfloat16 tiles (AVX512-BF16), the float32 ones (AVX2 only)
+    by_default = kernels.has_tile_linears() or kernels.f32_tile_linears_reason() is not None
     env = clean_env(max_model_len="2048", kv_cache_gib="0.25", log_format="json")
     if not by_default:
         env["ATOM_BATCH_INVARIANT"] = "1"
