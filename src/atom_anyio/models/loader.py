@@ -222,10 +222,12 @@ def batch_invariant_auto_reason(model: LlamaForCausalLM) -> str | None:
     (docs/performance.md: SmolLM2 at c16 on a Xeon with AMX, 154.2 against 152.4 out tok/s).
     Without AMX (AVX512-BF16: a Zen 4 or 5, or ``cpu_amx=false``): the vector variant, GGUF blocks in
     the blocks' chain, faster than the default at 1-16 rows and 1.2x its time in prefill
-    (docs/engine.md: 7% of SmolLM2's served output at one stream, 7-17% at c16). Elsewhere it stays
-    a setting: the oneDNN and MKL GEMMs pay for it (float32 on an AVX2-only Zen 3, the blocks'
-    int16 arithmetic against MKL in prefill: 0.66x the default's output at c16, 0.78x at one
-    stream, docs/engine.md)."""
+    (docs/engine.md: 7% of SmolLM2's served output at one stream, 7-17% at c16). Float32 on an
+    AVX2-only CPU (a Zen 3), since 2026-12-07: GGUF Q4_0/Q4_1/Q8_0 linears on the float32 tile GEMM
+    (qtile_f32.cpp: one FMA chain an element, faster than MKL over a dense copy in prefill), SmolLM2
+    served at 0.97x the earlier default's output at c16 and 1.10x at one stream (with auto's
+    drafts), no dense copies (RSS 825 against 1,332 MiB). Elsewhere it stays a setting: the oneDNN
+    and MKL GEMMs pay for it (float32 with AVX512, or weights the tiles do not take)."""
     backend, cfg = model.attention_backend, model.config
     if not may_be_auto_invariant(model) or backend.batch_invariant:
         return None

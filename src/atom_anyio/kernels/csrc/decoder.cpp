@@ -15,7 +15,9 @@
 // float32: every linear float32 (gemv up to 4 rows, torch's linear beyond) or
 // GGUF blocks (qgemv up to 4 rows, dequantized slices and GEMMs beyond); batch-
 // invariant (`use_batch_invariant`), gemv / qgemv at any row count, as
-// BatchInvariantCpuOps runs them (each element one arithmetic whatever M).
+// BatchInvariantCpuOps runs them (each element one arithmetic whatever M); or
+// GGUF blocks as quantized tiles on the float32 tile GEMM at any row count
+// (qtile_f32.cpp, set_tile_qlinear: auto's invariance on an AVX2-only CPU).
 // bfloat16 (`use_bfloat16`): activations, norms, embedding and caches bfloat16,
 // each linear as CpuOps runs it op by op: on the tile GEMM at any row count
 // (gemm.cpp, the weights packed as B tiles: on AMX, or AVX512-BF16's pair
@@ -72,7 +74,8 @@ struct Linear {
   int64_t slice_rows = 0;  // quantized, past the GEMV's rows: rows dequantized per GEMM (quant.slice_rows)
   at::Tensor dense;        // quantized: its float32 copy where the model keeps one (past the GEMV's rows, one GEMM)
   at::Tensor tiles;        // bfloat16: the weight as the tile GEMM's B tiles (ops.pack_tile_weight), any row count
-  at::Tensor qtiles;       // bfloat16: GGUF blocks of type qtype as its quantized tiles (ops.pack_tile_qweight)
+  at::Tensor qtiles;       // GGUF blocks of type qtype as the quantized tiles (ops.pack_tile_qweight), any row
+                           // count: bfloat16's tile GEMM (gemm.cpp) or float32's (qtile_f32.cpp)
   bool amx = false;        // tiles: on the AMX tiles (the decoder's amx), else AVX512-BF16's pair products
   at::Tensor onednn;       // bfloat16: the weight packed by oneDNN; past MAX_GEMV_ROWS, or at any count without blocks
   at::Tensor bias_f32;     // bfloat16 over blocks: the bias widened, as the qgemv op widens it
