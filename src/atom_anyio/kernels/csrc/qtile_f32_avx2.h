@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <vector>
 
 #include "kernels.h"
@@ -128,7 +129,8 @@ void gemv_tiles(const float* x, int64_t K, const uint8_t* w, int64_t KB, int64_t
       }
 }
 
-// one to four rows of x over the column blocks, two blocks at a time where the rows leave registers for them
+// one to four rows of x over the column blocks, four blocks at a time for one row, two for two, one for more
+// (eight FMA chains in flight at most; four blocks for one row measured level with two)
 template <int64_t Type, int M>
 void gemv_rows(const float* x, int64_t K, const uint8_t* w, int64_t NB, int64_t KB, int64_t tb, float* out,
                int64_t N, const float* bias) {
@@ -219,6 +221,7 @@ void gemm_tiles(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t 
   const int64_t kblocks = (KB + KC_TILES - 1) / KC_TILES, kc_tiles = (KB + kblocks - 1) / kblocks;
   at::parallel_for(0, NB, 1, [&](int64_t b, int64_t e) {
     float* panel = static_cast<float*>(std::aligned_alloc(64, kc_tiles * 32 * 16 * sizeof(float)));
+    TORCH_CHECK(panel, "tile_qlinear_f32: no memory for a panel");
     for (int64_t nb = b; nb < e; ++nb) {
       const int64_t cols = std::min<int64_t>(16, N - nb * 16);
       for (int64_t kb0 = 0; kb0 < KB; kb0 += kc_tiles) {
