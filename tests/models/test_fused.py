@@ -18,7 +18,7 @@ from atom_anyio.models.attention import AttentionMetadata, CpuPagedAttention, To
 from atom_anyio.models.decoder import FULL, SLIDING, LlamaForCausalLM, ModelConfig
 from atom_anyio.models.loader import load_model
 from atom_anyio.models.moe import MoeConfig
-from atom_anyio.models.ops import can_pack_bf16, pack_bf16_linears
+from atom_anyio.models.ops import can_pack_bf16, pack_bf16_linears, pack_f32_tile_linears
 from atom_anyio.models.quant import QuantizedWeight, QuantLinear
 
 Q = gguf.GGMLQuantizationType
@@ -120,6 +120,18 @@ VARIANTS = {
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_fused_step_equals_the_op_by_op_path_in_float32(variant, step):
     assert_same(random_model(**VARIANTS[variant]), step)
+
+
+@pytest.mark.skipif(kernels.f32_tile_linears_reason() is None, reason="the float32 tiles: an AVX2-only CPU's")
+@pytest.mark.parametrize("step", list(STEPS))
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_fused_step_equals_the_op_by_op_path_on_the_float32_panels(variant, step):
+    """What `batch_invariant` picks on an AVX2-only CPU for a float32 model: every linear on the float32
+    tile GEMM's panels at any row count."""
+    model = random_model(**VARIANTS[variant])
+    assert pack_f32_tile_linears(model) > 0 and model.model.layers[0].mlp.down_proj.tile_weight is not None
+    model.attention_backend.use_auto_batch_invariant()
+    assert_same(model, step)
 
 
 AMX_LINEAR = "linear_amx_bf16"

@@ -1,5 +1,6 @@
-"""The float32 linears over quantized tiles (kernels/csrc/qtile_f32.cpp): one FMA chain per output
-element, the AVX2 variant equal to the portable twin bit for bit at every row count."""
+"""The float32 tile linears (kernels/csrc/qtile_f32.cpp), over GGUF blocks packed as quantized tiles and
+over float32 matrices packed as panels: one FMA chain per output element, the AVX2 variant equal to the
+portable twin bit for bit at every row count."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 from support_gguf import random_quantized
 
 from atom_anyio import kernels
-from atom_anyio.models.ops import pack_tile_qweight
+from atom_anyio.models.ops import pack_f32_tile_weight, pack_tile_qweight
 
 pytestmark = pytest.mark.skipif(kernels.load_cpu_kernels() is not None, reason="the CPU kernels do not build here")
 needs_avx2 = pytest.mark.skipif(
@@ -46,6 +47,33 @@ def test_the_avx2_variant_equals_the_portable_chain_for_any_rows(qtype, n, k, bi
     assert linear(x[:0], packed, qt, n, b, native=True).shape == (0, n)
 
 
+@needs_avx2
+@pytest.mark.parametrize("n,k,bias", [(80, 96, True), (57, 300, False), (40, 1000, True), (9, 7, False)])
+def test_float32_panels_run_the_same_chain_for_any_rows(n, k, bias):
+    """Float32 matrices packed as panels (``pack_f32_tile_weight``): the GEMV at 1-4 rows and the
+    6 x 16 GEMM past them (K in blocks of 256 with a shorter last one, any K, a last tile of rows and
+    of columns cut short) give the portable twin's bits, a row the same bits in any batch, within
+    float32 rounding of the exact product."""
+    torch.manual_seed(0)
+    w = torch.randn(n, k)
+    packed = pack_f32_tile_weight(w)
+    assert packed.shape == ((n + 15) // 16, k, 16) and torch.equal(packed.transpose(1, 2).reshape(-1, k)[:n], w)
+    b = torch.randn(n) if bias else None
+
+    def run(x, native):
+        out = torch.empty(x.shape[0], n)
+        torch.ops.atom.tile_linear_f32(out, x.contiguous(), packed, b, native)
+        return out
+
+    x = torch.randn(40, k)
+    twin = run(x, native=False)
+    exact = x.double() @ w.double().t() + (b.double() if bias else 0)
+    torch.testing.assert_close(twin.double(), exact, rtol=1e-5, atol=1e-4)
+    assert torch.equal(run(x, native=True), twin)
+    for begin, end in [(0, 1), (3, 5), (1, 4), (0, 4), (0, 5), (2, 9), (0, 6), (7, 20), (5, 40)]:
+        assert torch.equal(run(x[begin:end], native=True), twin[begin:end]), f"{begin}:{end}"
+
+
 def test_a_weight_packed_for_another_shape_or_type_is_refused():
     w, _ = random_quantized(32, 64, gguf.GGMLQuantizationType.Q4_1)
     packed = pack_tile_qweight(w)
@@ -55,3 +83,8 @@ def test_a_weight_packed_for_another_shape_or_type_is_refused():
         linear(torch.randn(2, 64), packed, gguf.GGMLQuantizationType.Q8_0, 32, None, True)
     with pytest.raises(RuntimeError, match="has no tiles"):
         linear(torch.randn(2, 64), packed, gguf.GGMLQuantizationType.Q4_K, 32, None, True)
+    panels = pack_f32_tile_weight(torch.randn(32, 64))
+    with pytest.raises(RuntimeError, match="x must be"):
+        torch.ops.atom.tile_linear_f32(torch.empty(2, 32), torch.randn(2, 96), panels, None, True)
+    with pytest.raises(RuntimeError, match="packed as panels"):
+        torch.ops.atom.tile_linear_f32(torch.empty(2, 32), torch.randn(2, 64), panels.bfloat16(), None, True)

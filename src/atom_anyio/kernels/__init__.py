@@ -166,14 +166,14 @@ def has_tile_linears() -> bool:
 
 
 def f32_tile_linears_reason() -> str | None:
-    """Why float32 GGUF linears run on the float32 tile GEMM here (qtile_f32.cpp: one FMA chain per
-    output element, batch-invariant), or None: an AVX2-only CPU (AMD Zen 3, or ``ATOM_KERNEL_ISA=avx2``)
-    where the build has it. Measured there (docs/engine.md): faster than MKL's GEMM over a dense copy
-    at prefill sizes, 1.3-1.5x the blocks' int16 GEMV at one row."""
+    """Why float32 linears (GGUF blocks, float32 matrices) run on the float32 tile GEMM here
+    (qtile_f32.cpp: one FMA chain per output element, batch-invariant), or None: an AVX2-only CPU (AMD
+    Zen 3, or ``ATOM_KERNEL_ISA=avx2``) where the build has it. Measured there (docs/engine.md): level
+    with or faster than MKL's GEMM at prefill sizes; over blocks 1.3-1.5x the int16 GEMV at one row."""
     flags = set(cpu_flags().split())
     if "avx512f" in flags or not {"avx2", "fma"} <= flags or "linear_f32_avx2" not in native_kernels():
         return None
-    return "float32 on an AVX2-only CPU: GGUF linears on the float32 tile GEMM"
+    return "float32 on an AVX2-only CPU: the linears on the float32 tile GEMM"
 
 
 @functools.cache

@@ -74,7 +74,7 @@ def build(model: nn.Module) -> tuple[torch.ScriptObject | None, str | None]:
             cfg.window(i) or 0,
         )
         for slot, linear in enumerate((attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)):
-            if bfloat16 and getattr(linear, "tile_weight", None) is not None:
+            if getattr(linear, "tile_weight", None) is not None:  # bfloat16 tiles, or float32 panels
                 decoder.set_tile_linear(slot, linear.tile_weight, linear.bias)
                 continue
             if getattr(linear, "tile_qweight", None) is not None:  # bfloat16, or float32's tiles (qtile_f32.cpp)

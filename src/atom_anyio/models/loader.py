@@ -123,8 +123,9 @@ def load_planned(plan: ModelPlan, rank: int = 0) -> LoadedModel:
     invariant, switches = bool(plan.batch_invariant_requested), (plan.native_kernels, plan.amx)
     model = build_model(cfg, tp.shard_state(state), dtype, device, plan.attention_requested, tp, invariant, *switches)
     backend = model.attention_backend
-    # float32 on an AVX2-only CPU, invariant or where auto may turn it on: the GGUF linears on the float32
-    # tile GEMM, invariant by construction and faster than MKL's over a dense copy at prefill sizes
+    # float32 on an AVX2-only CPU, invariant or where auto may turn it on: the linears (GGUF blocks the tiles
+    # take, float32 matrices) on the float32 tile GEMM, invariant by construction and level with or faster
+    # than MKL's at prefill sizes
     f32_tiles = (
         isinstance(backend.ops, CpuOps)
         and dtype == torch.float32
@@ -223,8 +224,8 @@ def batch_invariant_auto_reason(model: LlamaForCausalLM) -> str | None:
     Without AMX (AVX512-BF16: a Zen 4 or 5, or ``cpu_amx=false``): the vector variant, GGUF blocks in
     the blocks' chain, faster than the default at 1-16 rows and 1.2x its time in prefill
     (docs/engine.md: 7% of SmolLM2's served output at one stream, 7-17% at c16). Float32 on an
-    AVX2-only CPU (a Zen 3), since 2026-12-07: GGUF Q4_0/Q4_1/Q8_0 linears on the float32 tile GEMM
-    (qtile_f32.cpp: one FMA chain an element, faster than MKL over a dense copy in prefill), SmolLM2
+    AVX2-only CPU (a Zen 3), since 2026-12-07: GGUF Q4_0/Q4_1/Q8_0 linears (or float32 matrices) on the
+    float32 tile GEMM (qtile_f32.cpp: one FMA chain an element, level with or faster than MKL), SmolLM2
     served at 0.97x the earlier default's output at c16 and 1.10x at one stream (with auto's
     drafts), no dense copies (RSS 825 against 1,332 MiB). Elsewhere it stays a setting: the oneDNN
     and MKL GEMMs pay for it (float32 with AVX512, or weights the tiles do not take)."""

@@ -206,8 +206,19 @@ def tile_linear(x: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.Tenso
     AMX tiles with ``amx`` where the build has them and the OS lends them, else on AVX512-BF16's pair
     dot products (the two variants' bits differ; each is batch-invariant)."""
     out = x.new_empty(x.shape[0], n)
+    if weight.dtype == torch.float32:  # float32 panels (pack_f32_tile_weight): qtile_f32.cpp
+        torch.ops.atom.tile_linear_f32(out, x.contiguous(), weight, bias, True)
+        return out
     torch.ops.atom.tile_linear(out, x.contiguous(), weight, bias, amx)
     return out
+
+
+def pack_f32_tile_weight(w: torch.Tensor) -> torch.Tensor:
+    """``w [N, K]`` (float32) as the float32 tile GEMM's panels, ``[ceil(N/16), K, 16]``: block nb's 16
+    columns side by side for each dim (qtile_f32.cpp), the last block's missing columns zero."""
+    n, k = w.shape
+    w = torch.cat((w, w.new_zeros(-n % 16, k))) if n % 16 else w
+    return w.reshape(-1, 16, k).transpose(1, 2).contiguous()
 
 
 def pack_tile_weight(w: torch.Tensor) -> torch.Tensor:
@@ -260,35 +271,40 @@ def pack_tile_qweight(w: QuantizedWeight) -> torch.Tensor:
 
 
 def f32_tileable(w) -> bool:
-    """Whether the float32 tile GEMM (qtile_f32.cpp) takes this weight: GGUF blocks it has tiles for, K a
-    multiple of 32, float32 activations, on the CPU."""
-    return (
-        isinstance(w, QuantizedWeight)
-        and w.dtype == torch.float32
-        and w.qtype in TILE_QTYPES
-        and w.shape[1] % 32 == 0
-        and w.device.type == "cpu"
-    )
+    """Whether the float32 tile GEMM (qtile_f32.cpp) takes this weight: GGUF blocks it has tiles for
+    (K a multiple of 32) with float32 activations, or a float32 matrix; on the CPU."""
+    if isinstance(w, QuantizedWeight):
+        return w.dtype == torch.float32 and w.qtype in TILE_QTYPES and w.shape[1] % 32 == 0 and w.device.type == "cpu"
+    return isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.dim() == 2 and w.device.type == "cpu"
 
 
 def f32_tiles_cover(model: torch.nn.Module) -> bool:
-    """Whether every linear of the model would run on the float32 tile GEMM (``f32_tileable``)."""
+    """Whether every linear of the model is GGUF blocks the float32 tile GEMM takes (``f32_tileable``):
+    where auto turns invariance on over them. A float32 matrix's panels run where invariance is asked
+    for; auto leaves such models as they were (not measured beyond the benchmarks' tiny model)."""
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear | quant.QuantLinear)]
-    return bool(linears) and all(f32_tileable(m.weight) for m in linears)
+    return bool(linears) and all(isinstance(m.weight, QuantizedWeight) and f32_tileable(m.weight) for m in linears)
 
 
 def pack_f32_tile_linears(model: torch.nn.Module) -> int:
-    """Keep each float32 linear over GGUF blocks the float32 tile GEMM reads (Q4_0, Q4_1, Q8_0; K a
-    multiple of 32) as its quantized tiles (``tile_qweight``, qtile_f32.cpp): one FMA chain per output
-    element at any row count, so batch-invariant by construction; the layer's dense copy, then unread,
-    is dropped unless an embedding looks its rows up. Returns the bytes the tiles take."""
+    """Keep each float32 linear in the layout the float32 tile GEMM reads (qtile_f32.cpp: one FMA chain
+    per output element at any row count, so batch-invariant by construction): GGUF blocks (Q4_0, Q4_1,
+    Q8_0; K a multiple of 32) as quantized tiles (``tile_qweight``; the layer's dense copy, then unread,
+    is dropped unless an embedding looks its rows up), a float32 matrix as panels (``tile_weight``,
+    ``pack_f32_tile_weight``; the matrix stays, as bfloat16's tiles leave it). Returns the bytes the
+    packed copies take."""
     looked_up = {id(m.weight) for m in model.modules() if isinstance(m, quant.QuantEmbedding)}
     num_bytes = 0
     for m in model.modules():
-        w = getattr(m, "weight", None) if isinstance(m, quant.QuantLinear) else None
+        w = getattr(m, "weight", None) if isinstance(m, torch.nn.Linear | quant.QuantLinear) else None
         if not f32_tileable(w):
             continue
-        m.tile_qweight, m.tile_amx = pack_tile_qweight(w), False
+        m.tile_amx = False
+        if not isinstance(w, QuantizedWeight):
+            m.tile_weight = pack_f32_tile_weight(w.detach())
+            num_bytes += m.tile_weight.nbytes
+            continue
+        m.tile_qweight = pack_tile_qweight(w)
         num_bytes += m.tile_qweight.nbytes
         if w.dense is not None and id(w) not in looked_up:
             m.weight = replace(w, dense=None)

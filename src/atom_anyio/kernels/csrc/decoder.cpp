@@ -73,7 +73,8 @@ struct Linear {
   int64_t N = 0, K = 0;
   int64_t slice_rows = 0;  // quantized, past the GEMV's rows: rows dequantized per GEMM (quant.slice_rows)
   at::Tensor dense;        // quantized: its float32 copy where the model keeps one (past the GEMV's rows, one GEMM)
-  at::Tensor tiles;        // bfloat16: the weight as the tile GEMM's B tiles (ops.pack_tile_weight), any row count
+  at::Tensor tiles;        // the weight as bfloat16's B tiles (ops.pack_tile_weight) or float32's panels
+                           // (ops.pack_f32_tile_weight), any row count
   at::Tensor qtiles;       // GGUF blocks of type qtype as the quantized tiles (ops.pack_tile_qweight), any row
                            // count: bfloat16's tile GEMM (gemm.cpp) or float32's (qtile_f32.cpp)
   bool amx = false;        // tiles: on the AMX tiles (the decoder's amx), else AVX512-BF16's pair products
@@ -86,6 +87,11 @@ struct Linear {
   // x [M, K] contiguous -> x W^T (+ b) [M, N], as CpuOps.linear computes it for M rows
   at::Tensor run(const at::Tensor& x) const {
     const int64_t M = x.size(0);
+    if (tiles.defined() && x.scalar_type() == at::kFloat) {
+      at::Tensor out = at::empty({M, N}, x.options());
+      atom::tile_linear_f32(out, x, tiles, bias.defined() ? c10::optional<at::Tensor>(bias) : c10::nullopt);
+      return out;
+    }
     if (tiles.defined()) {
       at::Tensor out = at::empty({M, N}, x.options());
       atom::tile_linear_bf16(out, x, tiles, bias.defined() ? c10::optional<at::Tensor>(bias) : c10::nullopt, amx);
@@ -227,13 +233,16 @@ class Decoder : public torch::CustomClassHolder {
     dtype_ = at::kBFloat16;
   }
 
-  // slot's weight (last layer added) as the tile GEMM's B tiles [ceil(N/16)][K/32][16][32], bias bfloat16
+  // slot's weight (last layer added) as the tile GEMM's B tiles [ceil(N/16)][K/32][16][32] in bfloat16, or
+  // float32's panels [ceil(N/16)][K][16] (ops.pack_f32_tile_weight, qtile_f32.cpp); bias in the decoder's dtype
   void set_tile_linear(int64_t slot, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
-    TORCH_CHECK(dtype_ == at::kBFloat16, "Decoder: tile linears run in bfloat16 (use_bfloat16)");
     Linear& lin = slot_linear(slot, "set_tile_linear");
-    TORCH_CHECK(packed.is_contiguous() && packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 &&
-                    packed.size(0) == (lin.N + 15) / 16 && packed.size(1) * 32 == lin.K,
-                "Decoder: linear ", slot, " must be packed as B tiles for [", lin.N, ", ", lin.K, "]");
+    const bool fits = dtype_ == at::kBFloat16
+                          ? packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 && packed.size(1) * 32 == lin.K
+                          : packed.scalar_type() == at::kFloat && packed.dim() == 3 && packed.size(1) == lin.K &&
+                                packed.size(2) == 16;
+    TORCH_CHECK(packed.is_contiguous() && fits && packed.size(0) == (lin.N + 15) / 16, "Decoder: linear ", slot,
+                " must be packed as tiles of the decoder's dtype for [", lin.N, ", ", lin.K, "]");
     lin.tiles = packed;
     lin.amx = amx_;
     if (bias.has_value()) check_param(*bias, dtype_, lin.N, "bias"), lin.bias = *bias;

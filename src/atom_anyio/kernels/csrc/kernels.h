@@ -71,6 +71,9 @@ void tile_qlinear_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& p
 // qtile_f32.cpp: the atom::tile_qlinear_f32 op's native variant (float32 x, the same packed tiles)
 void tile_qlinear_f32(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, int64_t qtype,
                       const c10::optional<at::Tensor>& bias);
+// the atom::tile_linear_f32 op's native variant (float32 weights packed as panels)
+void tile_linear_f32(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
+                     const c10::optional<at::Tensor>& bias);
 
 }  // namespace atom
 
@@ -105,5 +108,7 @@ void tile_qlinear(at::Tensor& out, const at::Tensor& x, const at::Tensor& wq, in
 // qtile_f32.cpp
 void tile_qlinear_f32(at::Tensor& out, const at::Tensor& x, const at::Tensor& wq, int64_t qtype,
                       const c10::optional<at::Tensor>& bias, bool native);
+void tile_linear_f32(at::Tensor& out, const at::Tensor& x, const at::Tensor& wp, const c10::optional<at::Tensor>& bias,
+                     bool native);
 
 }  // namespace atom::op

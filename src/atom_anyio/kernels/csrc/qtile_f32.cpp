@@ -3,6 +3,8 @@
 // row r their dims 2r and 2r + 1, then the columns' d and m as float16):
 //
 //   tile_qlinear_f32:  out [M, N] = x [M, K] W^T (+ bias), float32, any M
+//   tile_linear_f32:   the same over float32 weights packed as panels [ceil(N/16)][K][16]
+//                      (ops.pack_f32_tile_weight: a column block's 16 weights side by side per dim)
 //
 // Each output element is one chain whatever M is: a zeroed accumulator, fma(x[k], w[k], acc) for k
 // in order, then + bias (none without one), where w[k] is the reference's dequantized weight (quant.py:
@@ -62,6 +64,33 @@ void portable(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t KB
   }
 }
 
+void portable_dense(const float* x, int64_t M, int64_t K, const float* w, float* out, int64_t N, const float* bias) {
+  for (int64_t n = 0; n < N; ++n) {
+    const float* col = w + (n / 16) * K * 16 + n % 16;  // dim k at col[k * 16]
+    for (int64_t m = 0; m < M; ++m) {
+      float acc = 0.f;
+      for (int64_t k = 0; k < K; ++k) acc = std::fma(x[m * K + k], col[k * 16], acc);
+      out[m * N + n] = bias ? acc + bias[n] : acc;
+    }
+  }
+}
+
+// the checks both ops make; the bias padded to the blocks' columns (the vectors read 8 at a time), or undefined
+at::Tensor checked_bias(const char* name, const at::Tensor& out, const at::Tensor& x, int64_t NB, int64_t K,
+                        const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat && x.size(1) == K, name,
+              ": x must be [M, K] float32 with K = ", K);
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.scalar_type() == at::kFloat && out.size(0) == x.size(0) &&
+                  (out.size(1) + 15) / 16 == NB,
+              name, ": out must be [M, N] float32 for ", NB, " column blocks");
+  if (!bias || !bias->defined()) return at::Tensor();
+  const int64_t N = out.size(1);
+  TORCH_CHECK(bias->numel() == N, name, ": bias must have N elements");
+  at::Tensor b = at::zeros({NB * 16}, x.options());
+  b.narrow(0, 0, N).copy_(bias->reshape({N}));
+  return b;
+}
+
 }  // namespace
 
 namespace atom::op {
@@ -72,19 +101,8 @@ void tile_qlinear_f32(at::Tensor& out, const at::Tensor& x, const at::Tensor& wq
   TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0, "tile_qlinear_f32: type ", qtype, " has no tiles");
   TORCH_CHECK(wq.dim() == 3 && wq.is_contiguous() && wq.scalar_type() == at::kByte && wq.size(2) == qtile_bytes(qtype),
               "tile_qlinear_f32: the weight must be packed as tiles of type ", qtype);
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat && x.size(1) == wq.size(1) * 32,
-              "tile_qlinear_f32: x must be [M, K] float32 with K = ", wq.size(1) * 32);
-  const int64_t M = x.size(0), K = x.size(1), NB = wq.size(0), KB = wq.size(1);
-  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.scalar_type() == at::kFloat && out.size(0) == M &&
-                  (out.size(1) + 15) / 16 == NB,
-              "tile_qlinear_f32: out must be [M, N] float32 for ", NB, " column blocks");
-  const int64_t N = out.size(1);
-  at::Tensor b;  // padded to the blocks' columns: the vectors read 8 at a time
-  if (bias && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N, "tile_qlinear_f32: bias must have N elements");
-    b = at::zeros({NB * 16}, x.options());
-    b.narrow(0, 0, N).copy_(bias->reshape({N}));
-  }
+  const at::Tensor b = checked_bias("tile_qlinear_f32", out, x, wq.size(0), wq.size(1) * 32, bias);
+  const int64_t M = x.size(0), K = x.size(1), NB = wq.size(0), KB = wq.size(1), N = out.size(1);
   if (M == 0) return;
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   const float* xp = x.data_ptr<float>();
@@ -101,9 +119,29 @@ void tile_qlinear_f32(at::Tensor& out, const at::Tensor& x, const at::Tensor& wq
   portable(xp, M, K, wp, KB, tb, qtype, out.data_ptr<float>(), N, bp);
 }
 
+// the same over float32 weights packed as panels [ceil(N/16)][K][16] (ops.pack_f32_tile_weight)
+void tile_linear_f32(at::Tensor& out, const at::Tensor& x, const at::Tensor& wp, const c10::optional<at::Tensor>& bias,
+                     bool native) {
+  TORCH_CHECK(wp.dim() == 3 && wp.is_contiguous() && wp.scalar_type() == at::kFloat && wp.size(2) == 16,
+              "tile_linear_f32: the weight must be float32 packed as panels [ceil(N/16), K, 16]");
+  const at::Tensor b = checked_bias("tile_linear_f32", out, x, wp.size(0), wp.size(1), bias);
+  const int64_t M = x.size(0), K = x.size(1), NB = wp.size(0), N = out.size(1);
+  if (M == 0) return;
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+#if defined(__AVX2__) && defined(__FMA__)
+  if (native) return qtile_avx2::linear_dense(x.data_ptr<float>(), M, K, wp.data_ptr<float>(), NB,
+                                              out.data_ptr<float>(), N, bp);
+#endif
+  portable_dense(x.data_ptr<float>(), M, K, wp.data_ptr<float>(), out.data_ptr<float>(), N, bp);
+}
+
 }  // namespace atom::op
 
 namespace atom {
+void tile_linear_f32(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
+                     const c10::optional<at::Tensor>& bias) {
+  op::tile_linear_f32(out, x, packed, bias, true);
+}
 void tile_qlinear_f32(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, int64_t qtype,
                       const c10::optional<at::Tensor>& bias) {
   op::tile_qlinear_f32(out, x, packed, qtype, bias, true);

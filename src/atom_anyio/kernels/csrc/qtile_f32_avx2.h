@@ -165,7 +165,7 @@ inline void micro_kernel(const float* xp, const float* panel, int64_t kc, float*
   };
   Row r0 = start(0), r1 = start(1), r2 = start(2), r3 = start(3), r4 = start(4), r5 = start(5);
   for (int64_t k = 0; k < kc; ++k) {
-    const __m256 b0 = _mm256_load_ps(panel + k * 16), b1 = _mm256_load_ps(panel + k * 16 + 8);
+    const __m256 b0 = _mm256_loadu_ps(panel + k * 16), b1 = _mm256_loadu_ps(panel + k * 16 + 8);
     auto step = [&](Row& r, int m) {
       const __m256 a = _mm256_broadcast_ss(xp + k * MR + m);
       r.lo = _mm256_fmadd_ps(a, b0, r.lo), r.hi = _mm256_fmadd_ps(a, b1, r.hi);
@@ -205,9 +205,12 @@ void dequantize_panel(const uint8_t* block, int64_t kb0, int64_t kb1, int64_t tb
   }
 }
 
-template <int64_t Type>
-void gemm_tiles(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t NB, int64_t KB, int64_t tb,
-                float* out, int64_t N, const float* bias) {
+// every six rows of x (packed once, dim-major) over each column block's panels of up to kc dims:
+// `panel(nb, k0, k1, scratch)` gives block nb's weights for dims [k0, k1) as [k1 - k0][16] floats
+// (dequantized into scratch, or where they lie); each thread takes a range of column blocks
+template <typename Panel>
+void gemm_panels(const float* x, int64_t M, int64_t K, int64_t NB, int64_t kc, float* out, int64_t N,
+                 const float* bias, const Panel& panel) {
   const int64_t MT = (M + MR - 1) / MR;
   std::vector<float> xp(MT * K * MR);  // per six rows, per dim, the rows' values (zeros past M)
   at::parallel_for(0, MT, 8, [&](int64_t b, int64_t e) {
@@ -218,22 +221,21 @@ void gemm_tiles(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t 
         for (int64_t k = 0; k < K; ++k) dst[k * MR] = row < M ? x[row * K + k] : 0.f;
       }
   });
-  const int64_t kblocks = (KB + KC_TILES - 1) / KC_TILES, kc_tiles = (KB + kblocks - 1) / kblocks;
   at::parallel_for(0, NB, 1, [&](int64_t b, int64_t e) {
-    float* panel = static_cast<float*>(std::aligned_alloc(64, kc_tiles * 32 * 16 * sizeof(float)));
-    TORCH_CHECK(panel, "tile_qlinear_f32: no memory for a panel");
+    float* scratch = static_cast<float*>(std::aligned_alloc(64, kc * 16 * sizeof(float)));
+    TORCH_CHECK(scratch, "tile linears (float32): no memory for a panel");
     for (int64_t nb = b; nb < e; ++nb) {
       const int64_t cols = std::min<int64_t>(16, N - nb * 16);
-      for (int64_t kb0 = 0; kb0 < KB; kb0 += kc_tiles) {
-        const int64_t kb1 = std::min(KB, kb0 + kc_tiles), kc = (kb1 - kb0) * 32;
-        dequantize_panel<Type>(w + nb * KB * tb, kb0, kb1, tb, panel);
-        const float* last_bias = kb1 == KB && bias ? bias + nb * 16 : nullptr;
+      for (int64_t k0 = 0; k0 < K; k0 += kc) {
+        const int64_t k1 = std::min(K, k0 + kc);
+        const float* weights = panel(nb, k0, k1, scratch);
+        const float* last_bias = k1 == K && bias ? bias + nb * 16 : nullptr;
         for (int64_t t = 0; t < MT; ++t)
-          micro_kernel_edge(xp.data() + (t * K + kb0 * 32) * MR, panel, kc, out + t * MR * N + nb * 16, N,
-                            int(std::min<int64_t>(MR, M - t * MR)), cols, kb0 == 0, last_bias);
+          micro_kernel_edge(xp.data() + (t * K + k0) * MR, weights, k1 - k0, out + t * MR * N + nb * 16, N,
+                            int(std::min<int64_t>(MR, M - t * MR)), cols, k0 == 0, last_bias);
       }
     }
-    std::free(panel);
+    std::free(scratch);
   });
 }
 
@@ -246,8 +248,75 @@ void linear(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t NB, 
     case 2: return gemv_rows<Type, 2>(x, K, w, NB, KB, tb, out, N, bias);
     case 3: return gemv_rows<Type, 3>(x, K, w, NB, KB, tb, out, N, bias);
     case 4: return gemv_rows<Type, 4>(x, K, w, NB, KB, tb, out, N, bias);
-    default: return gemm_tiles<Type>(x, M, K, w, NB, KB, tb, out, N, bias);
   }
+  const int64_t kblocks = (KB + KC_TILES - 1) / KC_TILES, kc_tiles = (KB + kblocks - 1) / kblocks;
+  gemm_panels(x, M, K, NB, kc_tiles * 32, out, N, bias, [&](int64_t nb, int64_t k0, int64_t k1, float* scratch) {
+    dequantize_panel<Type>(w + nb * KB * tb, k0 / 32, k1 / 32, tb, scratch);
+    return static_cast<const float*>(scratch);
+  });
+}
+
+// Float32 weights packed as panels (ops.pack_f32_tile_weight): [NB][K][16], block nb's 16 columns side by side
+// for each dim, the last block's missing columns zero. The same chains: the GEMV reads a dim's 16 weights as two
+// registers, the GEMM's panels are the packed weights as they lie.
+template <int M, int T>
+void gemv_panels(const float* x, int64_t K, const float* w, float* out, int64_t ldo, int64_t cols,
+                 const float* bias) {
+  __m256 acc[M][T][2];
+#pragma GCC unroll 4
+  for (int i = 0; i < M; ++i)
+#pragma GCC unroll 4
+    for (int t = 0; t < T; ++t) acc[i][t][0] = acc[i][t][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+#pragma GCC unroll 4
+    for (int t = 0; t < T; ++t) {
+      const __m256 w0 = _mm256_loadu_ps(w + (t * K + k) * 16), w1 = _mm256_loadu_ps(w + (t * K + k) * 16 + 8);
+#pragma GCC unroll 4
+      for (int i = 0; i < M; ++i) {
+        const __m256 xv = _mm256_broadcast_ss(x + i * K + k);
+        acc[i][t][0] = _mm256_fmadd_ps(xv, w0, acc[i][t][0]);
+        acc[i][t][1] = _mm256_fmadd_ps(xv, w1, acc[i][t][1]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < M; ++i)
+#pragma GCC unroll 4
+    for (int t = 0; t < T; ++t)
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        const int64_t c = 16 * t + 8 * h;
+        store_columns(out + i * ldo + c, acc[i][t][h], bias ? bias + c : nullptr, cols - c);
+      }
+}
+
+template <int M>
+void gemv_panel_rows(const float* x, int64_t K, const float* w, int64_t NB, float* out, int64_t N, const float* bias) {
+  constexpr int T = M == 1 ? 4 : M == 2 ? 2 : 1;
+  at::parallel_for(0, (NB + T - 1) / T, 4, [&](int64_t b, int64_t e) {
+    for (int64_t nb = b * T; nb < std::min(NB, e * T); nb += T) {
+      if (nb + T <= NB)
+        gemv_panels<M, T>(x, K, w + nb * K * 16, out + nb * 16, N, N - nb * 16, bias ? bias + nb * 16 : nullptr);
+      else
+        for (int64_t j = nb; j < NB; ++j)
+          gemv_panels<M, 1>(x, K, w + j * K * 16, out + j * 16, N, N - j * 16, bias ? bias + j * 16 : nullptr);
+    }
+  });
+}
+
+constexpr int64_t KC_DENSE = 256;  // dims per K block of the GEMM over float32 panels (16 KB)
+
+inline void linear_dense(const float* x, int64_t M, int64_t K, const float* w, int64_t NB, float* out, int64_t N,
+                         const float* bias) {
+  switch (M) {
+    case 1: return gemv_panel_rows<1>(x, K, w, NB, out, N, bias);
+    case 2: return gemv_panel_rows<2>(x, K, w, NB, out, N, bias);
+    case 3: return gemv_panel_rows<3>(x, K, w, NB, out, N, bias);
+    case 4: return gemv_panel_rows<4>(x, K, w, NB, out, N, bias);
+  }
+  gemm_panels(x, M, K, NB, KC_DENSE, out, N, bias, [&](int64_t nb, int64_t k0, int64_t, float*) {
+    return w + (nb * K + k0) * 16;
+  });
 }
 
 }  // namespace atom::qtile_avx2

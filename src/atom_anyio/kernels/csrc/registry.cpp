@@ -62,6 +62,7 @@ TORCH_LIBRARY(atom, m) {
   m.def("tile_qlinear(Tensor(a!) out, Tensor x, Tensor weight, int qtype, Tensor? bias, bool amx) -> ()");
   // qtile_f32.cpp
   m.def("tile_qlinear_f32(Tensor(a!) out, Tensor x, Tensor weight, int qtype, Tensor? bias, bool native) -> ()");
+  m.def("tile_linear_f32(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias, bool native) -> ()");
   // decoder.cpp
   m.def("decoder_unsupported_shape(int hidden, int heads, int kv_heads, int head_dim, int intermediate) -> str",
         &atom::decoder_unsupported_shape);
@@ -81,4 +82,5 @@ TORCH_LIBRARY_IMPL(atom, CPU, m) {
   m.impl("tile_linear", &atom::op::tile_linear);
   m.impl("tile_qlinear", &atom::op::tile_qlinear);
   m.impl("tile_qlinear_f32", &atom::op::tile_qlinear_f32);
+  m.impl("tile_linear_f32", &atom::op::tile_linear_f32);
 }
