@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <type_traits>
 #include <vector>
 
 #include "kernels.h"
@@ -85,6 +86,37 @@ inline void store_columns(float* out, __m256 acc, const float* bias, int64_t col
   std::copy_n(lanes, std::max<int64_t>(cols, 0), out);
 }
 
+// M rows' accumulators of T column blocks (+ bias) into out, the first `cols` columns
+template <int M, int T>
+inline void store_accumulators(const __m256 (&acc)[M][T][2], float* out, int64_t ldo, int64_t cols,
+                               const float* bias) {
+#pragma GCC unroll 4
+  for (int i = 0; i < M; ++i)
+#pragma GCC unroll 4
+    for (int t = 0; t < T; ++t)
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        const int64_t c = 16 * t + 8 * h;
+        store_columns(out + i * ldo + c, acc[i][t][h], bias ? bias + c : nullptr, cols - c);
+      }
+}
+
+// the GEMVs' column blocks over the threads, four at a time for one row of x, two for two, one for more
+// (eight FMA chains in flight at most; four blocks for one row measured level with two): run(nb, T) for
+// each run of T blocks from nb (std::integral_constant), a last short run a block at a time
+template <int M, typename Run>
+void over_column_blocks(int64_t NB, const Run& run) {
+  constexpr int T = M == 1 ? 4 : M == 2 ? 2 : 1;
+  at::parallel_for(0, (NB + T - 1) / T, 4, [&](int64_t b, int64_t e) {
+    for (int64_t nb = b * T; nb < std::min(NB, e * T); nb += T) {
+      if (nb + T <= NB)
+        run(nb, std::integral_constant<int, T>{});
+      else
+        for (int64_t j = nb; j < NB; ++j) run(j, std::integral_constant<int, 1>{});
+    }
+  });
+}
+
 // M rows of x against T column blocks (each KB tiles of `tb` bytes, one after another), `cols` valid
 // columns from out's first
 // (`#pragma GCC unroll` on the small loops: unrolled early, GCC 12 keeps the arrays of accumulators in
@@ -92,11 +124,7 @@ inline void store_columns(float* out, __m256 acc, const float* bias, int64_t col
 template <int64_t Type, int M, int T>
 void gemv_tiles(const float* x, int64_t K, const uint8_t* w, int64_t KB, int64_t tb, float* out, int64_t ldo,
                 int64_t cols, const float* bias) {
-  __m256 acc[M][T][2];
-#pragma GCC unroll 4
-  for (int i = 0; i < M; ++i)
-#pragma GCC unroll 4
-    for (int t = 0; t < T; ++t) acc[i][t][0] = acc[i][t][1] = _mm256_setzero_ps();
+  __m256 acc[M][T][2] = {};  // zeros
   for (int64_t kb = 0; kb < KB; ++kb) {
     Scales sc[T];
 #pragma GCC unroll 4
@@ -118,34 +146,16 @@ void gemv_tiles(const float* x, int64_t K, const uint8_t* w, int64_t KB, int64_t
       }
     }
   }
-#pragma GCC unroll 4
-  for (int i = 0; i < M; ++i)
-#pragma GCC unroll 4
-    for (int t = 0; t < T; ++t)
-#pragma GCC unroll 2
-      for (int h = 0; h < 2; ++h) {
-        const int64_t c = 16 * t + 8 * h;
-        store_columns(out + i * ldo + c, acc[i][t][h], bias ? bias + c : nullptr, cols - c);
-      }
+  store_accumulators<M, T>(acc, out, ldo, cols, bias);
 }
 
-// one to four rows of x over the column blocks, four blocks at a time for one row, two for two, one for more
-// (eight FMA chains in flight at most; four blocks for one row measured level with two)
+// one to four rows of x over the column blocks
 template <int64_t Type, int M>
 void gemv_rows(const float* x, int64_t K, const uint8_t* w, int64_t NB, int64_t KB, int64_t tb, float* out,
                int64_t N, const float* bias) {
-  constexpr int T = M == 1 ? 4 : M == 2 ? 2 : 1;
-  at::parallel_for(0, (NB + T - 1) / T, 4, [&](int64_t b, int64_t e) {
-    for (int64_t nb = b * T; nb < std::min(NB, e * T); nb += T) {
-      const uint8_t* wb = w + nb * KB * tb;
-      const float* bb = bias ? bias + nb * 16 : nullptr;
-      if (nb + T <= NB)
-        gemv_tiles<Type, M, T>(x, K, wb, KB, tb, out + nb * 16, N, N - nb * 16, bb);
-      else
-        for (int64_t j = nb; j < NB; ++j)
-          gemv_tiles<Type, M, 1>(x, K, w + j * KB * tb, KB, tb, out + j * 16, N, N - j * 16,
-                                 bias ? bias + j * 16 : nullptr);
-    }
+  over_column_blocks<M>(NB, [&](int64_t nb, auto blocks) {
+    gemv_tiles<Type, M, decltype(blocks)::value>(x, K, w + nb * KB * tb, KB, tb, out + nb * 16, N, N - nb * 16,
+                                                 bias ? bias + nb * 16 : nullptr);
   });
 }
 
@@ -262,11 +272,7 @@ void linear(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t NB, 
 template <int M, int T>
 void gemv_panels(const float* x, int64_t K, const float* w, float* out, int64_t ldo, int64_t cols,
                  const float* bias) {
-  __m256 acc[M][T][2];
-#pragma GCC unroll 4
-  for (int i = 0; i < M; ++i)
-#pragma GCC unroll 4
-    for (int t = 0; t < T; ++t) acc[i][t][0] = acc[i][t][1] = _mm256_setzero_ps();
+  __m256 acc[M][T][2] = {};  // zeros
   for (int64_t k = 0; k < K; ++k) {
 #pragma GCC unroll 4
     for (int t = 0; t < T; ++t) {
@@ -279,28 +285,14 @@ void gemv_panels(const float* x, int64_t K, const float* w, float* out, int64_t 
       }
     }
   }
-#pragma GCC unroll 4
-  for (int i = 0; i < M; ++i)
-#pragma GCC unroll 4
-    for (int t = 0; t < T; ++t)
-#pragma GCC unroll 2
-      for (int h = 0; h < 2; ++h) {
-        const int64_t c = 16 * t + 8 * h;
-        store_columns(out + i * ldo + c, acc[i][t][h], bias ? bias + c : nullptr, cols - c);
-      }
+  store_accumulators<M, T>(acc, out, ldo, cols, bias);
 }
 
 template <int M>
 void gemv_panel_rows(const float* x, int64_t K, const float* w, int64_t NB, float* out, int64_t N, const float* bias) {
-  constexpr int T = M == 1 ? 4 : M == 2 ? 2 : 1;
-  at::parallel_for(0, (NB + T - 1) / T, 4, [&](int64_t b, int64_t e) {
-    for (int64_t nb = b * T; nb < std::min(NB, e * T); nb += T) {
-      if (nb + T <= NB)
-        gemv_panels<M, T>(x, K, w + nb * K * 16, out + nb * 16, N, N - nb * 16, bias ? bias + nb * 16 : nullptr);
-      else
-        for (int64_t j = nb; j < NB; ++j)
-          gemv_panels<M, 1>(x, K, w + j * K * 16, out + j * 16, N, N - j * 16, bias ? bias + j * 16 : nullptr);
-    }
+  over_column_blocks<M>(NB, [&](int64_t nb, auto blocks) {
+    gemv_panels<M, decltype(blocks)::value>(x, K, w + nb * K * 16, out + nb * 16, N, N - nb * 16,
+                                            bias ? bias + nb * 16 : nullptr);
   });
 }
 
