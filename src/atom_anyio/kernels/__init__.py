@@ -165,13 +165,18 @@ def has_tile_linears() -> bool:
     return "linear_avx512_bf16" in native_kernels()
 
 
+def avx2_only() -> bool:
+    """An AVX2-only CPU: AVX2 and FMA, no AVX512F (a Zen 3, or any x86 under ``ATOM_KERNEL_ISA=avx2``)."""
+    flags = set(cpu_flags().split())
+    return "avx512f" not in flags and {"avx2", "fma"} <= flags
+
+
 def f32_tile_linears_reason() -> str | None:
     """Why float32 linears (GGUF blocks, float32 matrices) run on the float32 tile GEMM here
     (qtile_f32.cpp: one FMA chain per output element, batch-invariant), or None: an AVX2-only CPU (AMD
     Zen 3, or ``ATOM_KERNEL_ISA=avx2``) where the build has it. Measured there (docs/engine.md): level
     with or faster than MKL's GEMM at prefill sizes; over blocks 1.3-1.5x the int16 GEMV at one row."""
-    flags = set(cpu_flags().split())
-    if "avx512f" in flags or not {"avx2", "fma"} <= flags or "linear_f32_avx2" not in native_kernels():
+    if not avx2_only() or "linear_f32_avx2" not in native_kernels():
         return None
     return "float32 on an AVX2-only CPU: the linears on the float32 tile GEMM"
 

@@ -129,10 +129,9 @@ def kernel_prefill_reason(dtype: torch.dtype | None) -> str | None:
     and SDPA stays; on an AVX2-only CPU (AMD Zen 3) the kernel's AVX2 code takes 0.55-1.0x SDPA's
     time (a fresh 555-token SmolLM2 chunk 3.4 ms a layer against 5.4, 512 over a 4k prefix 48.5
     against 64.7) and a 555-token prompt's whole prefill 0.85-0.90x."""
-    flags = set(kernels.cpu_flags().split())
-    if dtype == torch.float32 and "avx512f" not in flags and {"avx2", "fma"} <= flags:
+    if dtype == torch.float32 and kernels.avx2_only():
         return "float32 on an AVX2-only CPU: the kernel's prefill takes 0.55-1.0x torch's SDPA time here"
-    if dtype != torch.bfloat16 or "amx_bf16" in flags:
+    if dtype != torch.bfloat16 or "amx_bf16" in kernels.cpu_flags().split():
         return None
     if "paged_attention_avx512_bf16" not in kernels.native_kernels():
         return None
