@@ -44,13 +44,8 @@ constexpr int64_t TILE_BYTES = 1024;  // a packed B tile: 16 rows of 64 bytes
 // order: row r (k = kb*32 + 2r, 2r+1) as 16 bytes of nibbles for Q4_0/Q4_1 (byte c: column c's two
 // weights, low nibble first) or 32 int8 for Q8_0, then the 16 columns' d and (Q4_1) m as float16.
 // A weight is the reference's (quant.py, dequantize_rows): d q + m (two roundings), d (q - 8),
-// d q, rounded to bfloat16 as the dense copy is, so a linear gives the dense copy's bits.
-constexpr int64_t Q4_TILE_BYTES = 16 * 16 + 2 * 16 * 2, Q8_TILE_BYTES = 16 * 32 + 16 * 2;
-
-inline int64_t qtile_bytes(int64_t type) { return type == Q8_0 ? Q8_TILE_BYTES : Q4_TILE_BYTES; }
-
-// where a tile's scales begin: after its 16 rows of weights
-constexpr int64_t q_scales_at(int64_t type) { return type == Q8_0 ? 16 * 32 : 16 * 16; }
+// d q, rounded to bfloat16 as the dense copy is, so a linear gives the dense copy's bits. The tile's
+// sizes and where its scales begin: kernels.h (qtile_bytes, q_scales_at).
 
 // one packed tile of type `type` into 16 rows of 32 bfloat16 (1 KB)
 inline void dequantize_tile(int64_t type, const uint8_t* src, c10::BFloat16* dst) {

@@ -7,8 +7,10 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <cstdint>
+#include <cstring>
 #include <string>
 
 namespace torch {
@@ -19,6 +21,20 @@ namespace atom {
 
 // the GGUF block types the kernels take (quant.cpp's GEMVs, gemm.cpp's tiles: Q4_0, Q4_1, Q8_0), by ggml's type ids
 enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
+
+// a float16 stored at p (a block's d or m)
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return float(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// GGUF blocks packed as quantized tiles (ops.pack_tile_qweight; gemm.cpp's bfloat16 and qtile_f32.cpp's float32
+// tile GEMMs): 16 rows of weights (16 bytes of nibbles, or 32 int8 for Q8_0), then the 16 columns' d and (Q4_1) m
+constexpr int64_t Q4_TILE_BYTES = 16 * 16 + 2 * 16 * 2, Q8_TILE_BYTES = 16 * 32 + 16 * 2;
+inline int64_t qtile_bytes(int64_t type) { return type == Q8_0 ? Q8_TILE_BYTES : Q4_TILE_BYTES; }
+// where a tile's scales begin: after its 16 rows of weights
+constexpr int64_t q_scales_at(int64_t type) { return type == Q8_0 ? 16 * 32 : 16 * 16; }
 
 // Which variants run comes with each call, from the model's plan (models/plan.py): `native`, the native
 // variants where built (false: their portable twins, cpu_native_kernels), and `amx`, bfloat16 attention on

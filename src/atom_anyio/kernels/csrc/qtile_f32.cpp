@@ -30,18 +30,10 @@ namespace {
 
 using namespace atom;
 
-inline int64_t qtile_bytes(int64_t type) { return type == Q8_0 ? 16 * 32 + 16 * 2 : 16 * 16 + 2 * 16 * 2; }
-
-inline float half_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-  return float(c10::Half(bits, c10::Half::from_bits()));
-}
-
 // column c's weight at dim k (0-31) of a tile, as the reference dequantizes it
 inline float tile_weight(int64_t type, const uint8_t* tile, int c, int k) {
   const int r = k / 2, t = k % 2;
-  const uint8_t* s = tile + (type == Q8_0 ? 16 * 32 : 16 * 16);
+  const uint8_t* s = tile + q_scales_at(type);
   const float d = half_at(s + 2 * c);
   if (type == Q8_0) return d * float(int8_t(tile[r * 32 + 2 * c + t]));
   const int q = t ? tile[r * 16 + c] >> 4 : tile[r * 16 + c] & 15;

@@ -40,7 +40,7 @@ struct Scales {
 
 template <int64_t Type>
 inline Scales tile_scales(const uint8_t* tile) {
-  const uint8_t* s = tile + (Type == Q8_0 ? 16 * 32 : 16 * 16);
+  const uint8_t* s = tile + q_scales_at(Type);
   Scales sc;
   for (int h = 0; h < 2; ++h) {
     sc.d[h] = _mm256_cvtph_ps(load16(s + 16 * h));

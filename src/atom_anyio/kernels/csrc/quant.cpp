@@ -58,12 +58,6 @@ inline int64_t weights_per_block(int64_t type) { return is_k_quant(type) ? QKK :
 template <int64_t Type>
 constexpr int64_t BLOCK32_BYTES = Type == Q8_0 ? 34 : Type == Q4_1 ? 20 : 18;
 
-inline float half_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-  return float(c10::Half(bits, c10::Half::from_bits()));
-}
-
 // a 32-weight block's offset m in w = d q + m: Q4_1's stored minimum, Q4_0's -8 d, Q8_0's none
 template <int64_t Type>
 inline float block_offset(const uint8_t* b) {
