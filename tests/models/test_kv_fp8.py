@@ -150,6 +150,32 @@ def test_native_bf16_attention_over_fp8_equals_its_portable_twin(layout, cache_d
 
 
 @pytest.mark.skipif(NATIVE_ATTENTION not in kernels.native_kernels(), reason=f"{NATIVE_ATTENTION}: no AVX512-BF16")
+@pytest.mark.parametrize("affine", [False, True], ids=["shift", "gfni"])
+@pytest.mark.parametrize("cache_dtype", FP8)
+def test_the_registers_widen_every_fp8_byte_to_its_value_scaled_by_a_power_of_two(cache_dtype, affine):
+    """The registers' path reads each byte as bfloat16 bits: the byte's sign, exponent and mantissa
+    moved into bfloat16's fields, which is the value times 2^-112 (e5m2) or 2^-120 (e4m3); subnormals
+    become bfloat16 denormals. Both forms of the widening, the shift and the and, and GFNI's affine
+    bit maps (where the build has GFNI: every Zen 4 and 5), give exactly those bits for all 256 bytes."""
+    if affine and "fp8_kv_gfni" not in kernels.native_kernels():
+        pytest.skip("this build has no GFNI")
+    data = torch.arange(256, dtype=torch.uint8).repeat(2)[
+        torch.randperm(512, generator=torch.Generator().manual_seed(0))
+    ]
+    words = torch.empty(512, dtype=torch.int16)
+    torch.ops.atom.fp8_bf16_words(words, data, cache_dtype == torch.float8_e5m2, affine)
+    mantissa = 2 if cache_dtype == torch.float8_e5m2 else 3
+    b = data.to(torch.int32)
+    expected = ((b & 0x80) << 8) | ((b & 0x7F) << (7 - mantissa))  # the mantissa at bfloat16's top bits
+    assert torch.equal(words.to(torch.int32) & 0xFFFF, expected)
+    finite = data.view(cache_dtype).float().isfinite()
+    normal = finite & ((b & 0x7F) >= (1 << mantissa))  # the exponent field not zero
+    bias = 112 if cache_dtype == torch.float8_e5m2 else 120
+    as_bf16 = words[normal].view(torch.bfloat16).float()
+    assert torch.equal(as_bf16, data[normal].view(cache_dtype).float() * 2.0**-bias)
+
+
+@pytest.mark.skipif(NATIVE_ATTENTION not in kernels.native_kernels(), reason=f"{NATIVE_ATTENTION}: no AVX512-BF16")
 @pytest.mark.parametrize("cache_dtype", FP8)
 def test_native_fp8_decodes_never_read_past_their_keys(cache_dtype):
     """Slots past each decode's keys (a freed block's) hold NaN bytes: the registers' path reads

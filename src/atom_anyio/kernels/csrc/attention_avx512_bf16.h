@@ -8,7 +8,10 @@
 #error "attention_avx512_bf16.h needs a build that targets AVX512-BF16"
 #endif
 
+#include <cstdint>
 #include <cstring>
+#include <initializer_list>
+#include <utility>
 #include <vector>
 
 #include "attention_loop.h"
@@ -325,9 +328,65 @@ inline __m512i fp8_as_bf16(__m512i words) {
     return _mm512_and_si512(_mm512_srai_epi16(words, 4), _mm512_set1_epi16(int16_t(0x87FF)));
 }
 
+#ifdef __GFNI__
+// With GFNI (every Zen 4 and 5, Ice Lake and later; not Cooper Lake) the same words in fewer steps:
+// each byte's two halves of its word by one affine bit map each (gf2p8affineqb: output bit i is the
+// parity of the input's bits selected by byte 7 - i of the matrix), then the halves interleaved by
+// the unpacks that spread the bytes anyway: four operations for 64 bytes where the shift and the
+// and take six. Bit for bit fp8_as_bf16's words (every byte: tests/models/test_kv_fp8.py).
+// out_bit <- in_bit pairs as a gf2p8affineqb matrix
+constexpr uint64_t bit_map(std::initializer_list<std::pair<int, int>> moves) {
+  uint64_t a = 0;
+  for (const auto& [out, in] : moves) a |= (uint64_t(1) << in) << (8 * (7 - out));
+  return a;
+}
+// a word's high byte (s 000 eeee for e5m2's s eeeee mm: s 000 e4 e3 e2 e1; e4m3's s eeee mmm:
+// s 0000 e3 e2 e1) and low byte (e5m2: e0 m1 m0 00000; e4m3: e0 m2 m1 m0 0000)
+template <typename C>
+constexpr uint64_t FP8_HIGH_BYTE = std::is_same_v<C, c10::Float8_e5m2>
+                                       ? bit_map({{7, 7}, {3, 6}, {2, 5}, {1, 4}, {0, 3}})
+                                       : bit_map({{7, 7}, {2, 6}, {1, 5}, {0, 4}});
+template <typename C>
+constexpr uint64_t FP8_LOW_BYTE = std::is_same_v<C, c10::Float8_e5m2> ? bit_map({{7, 2}, {6, 1}, {5, 0}})
+                                                                      : bit_map({{7, 3}, {6, 2}, {5, 1}, {4, 0}});
+constexpr bool FP8_AFFINE = true;
+#else
+constexpr bool FP8_AFFINE = false;
+#endif
+
+// 64 fp8 bytes as the bfloat16 words of fp8_as_bf16(unpacklo(0, x)) and of fp8_as_bf16(unpackhi(0, x)):
+// by the affine maps where the build has GFNI (Affine), else by the shift and the and
+template <typename C, bool Affine = FP8_AFFINE>
+inline void fp8_words(__m512i x, __m512bh& lo, __m512bh& hi) {
+  static_assert(FP8_AFFINE || !Affine, "the affine form needs a build with GFNI");
+  if constexpr (Affine) {
+#ifdef __GFNI__
+    const __m512i h = _mm512_gf2p8affine_epi64_epi8(x, _mm512_set1_epi64(int64_t(FP8_HIGH_BYTE<C>)), 0);
+    const __m512i l = _mm512_gf2p8affine_epi64_epi8(x, _mm512_set1_epi64(int64_t(FP8_LOW_BYTE<C>)), 0);
+    lo = (__m512bh)_mm512_unpacklo_epi8(l, h), hi = (__m512bh)_mm512_unpackhi_epi8(l, h);
+#endif
+  } else {
+    lo = (__m512bh)fp8_as_bf16<C>(_mm512_unpacklo_epi8(_mm512_setzero_si512(), x));
+    hi = (__m512bh)fp8_as_bf16<C>(_mm512_unpackhi_epi8(_mm512_setzero_si512(), x));
+  }
+}
+
 // where dim d of a 64-dim block lies once a row's bytes are widened (fp8_as_bf16 of unpacklo, then
 // of unpackhi, each 32 words): per 128-bit lane L, dims 16L..16L+7, then 16L+8..16L+15
 inline int fp8_key_slot(int d) { return d / 64 * 64 + (d % 16) / 8 * 32 + (d % 64) / 16 * 8 + d % 8; }
+
+// n (a multiple of 64) fp8 bytes as the registers' bfloat16 words, in the bytes' order (out[d]: byte
+// d's word), by either form (affine: GFNI's, where built): the op fp8_bf16_words, for the tests
+template <typename C, bool Affine>
+inline void fp8_words_in_order(const uint8_t* bytes, int64_t n, int16_t* out) {
+  alignas(64) int16_t w[64];
+  for (int64_t i = 0; i < n; i += 64) {
+    __m512bh lo, hi;
+    fp8_words<C, Affine>(_mm512_loadu_si512(bytes + i), lo, hi);
+    _mm512_store_si512(w, (__m512i)lo), _mm512_store_si512(w + 32, (__m512i)hi);
+    for (int d = 0; d < 64; ++d) out[i + d] = w[fp8_key_slot(d)];
+  }
+}
 
 // where the values' accumulators keep output dim d of a 64-dim block: two keys' bytes interleaved
 // and widened give four registers of pairs, register k lane L holding dims 16L + 4k .. 16L + 4k + 3
@@ -350,9 +409,8 @@ inline void fp8_scores_from_rows(const c10::BFloat16* q, int D, const C* k, int6
       const int key = 4 * t + grp;
       if (key >= n) continue;  // a zero vector: its lane is masked afterwards
       for (int dim = 0; dim < D; dim += 64) {
-        const __m512i x = _mm512_loadu_si512(k + key * ldk + dim);
-        const __m512bh lo = (__m512bh)fp8_as_bf16<C>(_mm512_unpacklo_epi8(_mm512_setzero_si512(), x));
-        const __m512bh hi = (__m512bh)fp8_as_bf16<C>(_mm512_unpackhi_epi8(_mm512_setzero_si512(), x));
+        __m512bh lo, hi;
+        fp8_words<C>(_mm512_loadu_si512(k + key * ldk + dim), lo, hi);
 #pragma GCC unroll 4
         for (int r = 0; r < NR; ++r) {
           const __m512bh qlo = (__m512bh)_mm512_loadu_si512(q + r * D + dim);
@@ -385,11 +443,9 @@ inline void fp8_values(const uint32_t* pp, const C* v, int64_t ldv, int n, int D
     for (int j = 0; j < n; j += 2) {
       const __m512i a = _mm512_loadu_si512(v + j * ldv + dim);
       const __m512i b = j + 1 < n ? _mm512_loadu_si512(v + (j + 1) * ldv + dim) : zero;
-      const __m512i lo = _mm512_unpacklo_epi8(a, b), hi = _mm512_unpackhi_epi8(a, b);
-      const __m512bh w[4] = {(__m512bh)fp8_as_bf16<C>(_mm512_unpacklo_epi8(zero, lo)),
-                             (__m512bh)fp8_as_bf16<C>(_mm512_unpackhi_epi8(zero, lo)),
-                             (__m512bh)fp8_as_bf16<C>(_mm512_unpacklo_epi8(zero, hi)),
-                             (__m512bh)fp8_as_bf16<C>(_mm512_unpackhi_epi8(zero, hi))};
+      __m512bh w[4];
+      fp8_words<C>(_mm512_unpacklo_epi8(a, b), w[0], w[1]);
+      fp8_words<C>(_mm512_unpackhi_epi8(a, b), w[2], w[3]);
 #pragma GCC unroll 4
       for (int r = 0; r < NR; ++r) {
         const __m512bh pr = (__m512bh)_mm512_set1_epi32(pp[r * 8 + j / 2]);

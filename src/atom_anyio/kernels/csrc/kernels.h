@@ -101,6 +101,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start,
                      int64_t block_size, double scale, int64_t sliding_window, const c10::optional<at::Tensor>& sinks,
                      int64_t partition, bool native, bool amx);
+void fp8_bf16_words(at::Tensor& out, const at::Tensor& bytes, bool e5m2, bool affine);
 
 // ops.cpp
 void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, double eps, bool native);

@@ -12,8 +12,8 @@
 // attention_loop.h holds that loop, once; a variant attends a unit's rows
 // over a span of keys, one file each: portable (V8, any element type),
 // AVX2 (the portable one plus a decode's scores from the keys as they lie),
-// AVX512-BF16 (bfloat16 pair dot products; over an fp8 cache, each chunk widened to bfloat16 in
-// L1) and AMX (the tiles; bfloat16 caches only). This file
+// AVX512-BF16 (bfloat16 pair dot products; over an fp8 cache, a decode's keys and values widened in
+// registers, a prefill's chunks to bfloat16 in L1) and AMX (the tiles; bfloat16 caches only). This file
 // checks the op's arguments and picks the variant, once a call.
 
 #include <ATen/core/Tensor.h>
@@ -137,4 +137,30 @@ void atom::op::paged_attention(at::Tensor& out, const at::Tensor& q, const at::T
   atom::dispatch<PagedAttention>(q.scalar_type(), "paged_attention", out, q, k_cache, v_cache, block_tables, seq_lens,
                                  query_start, block_size, scale, sliding_window, sink_logits, partition,
                                  native, amx);
+}
+
+// The AVX512-BF16 variant's fp8 widening (its registers' path), for the tests: `bytes` (uint8, a
+// multiple of 64) as the bfloat16 words its dot products read, into `out` in the bytes' order (int16,
+// as many; the value times 2^-112 for e5m2, 2^-120 for e4m3), by the affine form (GFNI) or by the
+// shift and the and
+void atom::op::fp8_bf16_words(at::Tensor& out, const at::Tensor& bytes, bool e5m2, bool affine) {
+  TORCH_CHECK(bytes.scalar_type() == at::kByte && bytes.is_contiguous() && bytes.numel() % 64 == 0,
+              "fp8_bf16_words: bytes must be contiguous uint8, a multiple of 64");
+  TORCH_CHECK(out.scalar_type() == at::kShort && out.is_contiguous() && out.numel() == bytes.numel(),
+              "fp8_bf16_words: out must be contiguous int16, as many as the bytes");
+#ifdef ATOM_AVX512_BF16
+  const auto* b = bytes.data_ptr<uint8_t>();
+  auto* o = out.data_ptr<int16_t>();
+  const int64_t n = bytes.numel();
+  if (affine) {
+    TORCH_CHECK(FP8_AFFINE, "fp8_bf16_words: this build has no GFNI");
+#ifdef __GFNI__
+    e5m2 ? fp8_words_in_order<c10::Float8_e5m2, true>(b, n, o) : fp8_words_in_order<c10::Float8_e4m3fn, true>(b, n, o);
+#endif
+  } else {
+    e5m2 ? fp8_words_in_order<c10::Float8_e5m2, false>(b, n, o) : fp8_words_in_order<c10::Float8_e4m3fn, false>(b, n, o);
+  }
+#else
+  TORCH_CHECK(false, "fp8_bf16_words: this build has no AVX512-BF16");
+#endif
 }

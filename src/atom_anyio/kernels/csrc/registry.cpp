@@ -21,6 +21,9 @@ std::vector<std::string> native_kernels() {
 #ifdef ATOM_AVX512_BF16
   names.push_back("paged_attention_avx512_bf16");
   names.push_back("linear_avx512_bf16");  // gemm.cpp's vector variant of the tile linears
+#ifdef __GFNI__
+  names.push_back("fp8_kv_gfni");  // that variant widens fp8 KV by GFNI's affine maps
+#endif
 #endif
 #ifdef ATOM_AMX_BF16
   if (atom::amx_permitted()) {
@@ -47,6 +50,7 @@ TORCH_LIBRARY(atom, m) {
       "paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor seq_lens, Tensor query_start, int block_size, float scale, int sliding_window, "
       "Tensor? sinks, int partition, bool native, bool amx) -> ()");
+  m.def("fp8_bf16_words(Tensor(a!) out, Tensor bytes, bool e5m2, bool affine) -> ()");
   // ops.cpp
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps, bool native) -> ()");
   m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps, bool native) -> ()");
@@ -71,6 +75,7 @@ TORCH_LIBRARY(atom, m) {
 
 TORCH_LIBRARY_IMPL(atom, CPU, m) {
   m.impl("paged_attention", &atom::op::paged_attention);
+  m.impl("fp8_bf16_words", &atom::op::fp8_bf16_words);
   m.impl("rms_norm", &atom::op::rms_norm);
   m.impl("add_rms_norm", &atom::op::add_rms_norm);
   m.impl("silu_and_mul", &atom::op::silu_and_mul);
