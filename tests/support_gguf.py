@@ -154,9 +154,10 @@ def write_gguf(path, arch: str, hf: transformers.PreTrainedModel, qtype: str, me
 
 
 def random_quantized(n: int, k: int, qtype: Q, seed: int = 0) -> tuple[QuantizedWeight, torch.Tensor]:
-    """Random weights quantized by gguf, and gguf's own dequantization of them."""
+    """Random weights quantized by gguf (``quantize_k`` for the K-quants), and gguf's own dequantization
+    of them."""
     w = np.random.default_rng(seed).standard_normal((n, k), dtype=np.float32)
-    blocks = gguf.quants.quantize(w, qtype)
+    blocks = quantize_blocks(w, qtype)
     reference = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).copy())
     return QuantizedWeight(torch.from_numpy(blocks.copy()), qtype, torch.Size((n, k))), reference
 

@@ -175,7 +175,7 @@ def test_fused_step_equals_the_op_by_op_path_in_bfloat16_on_onednn(variant, step
 @pytest.fixture(scope="module")
 def tiny_ggufs(tmp_path_factory):
     """One seeded tiny Llama as GGUFs of each type with a kernel."""
-    return tiny_wide_ggufs(tmp_path_factory.mktemp("fused"), [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K])
+    return tiny_wide_ggufs(tmp_path_factory.mktemp("fused"), [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K])
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K], ids=lambda t: t.name)
@@ -185,8 +185,8 @@ def tiny_ggufs(tmp_path_factory):
 @pytest.mark.parametrize("gguf_weights", ["both", "packed"])
 def test_fused_step_equals_the_op_by_op_path_with_quantized_weights(tiny_ggufs, qtype, step, gguf_weights):
     """Float32 with invariance off (with the dense copy, or without where it does not fit), as auto
-    picks for GGUF types the float32 tiles do not take (Q4_K) or on a CPU with AVX512; past sixteen
-    rows the fused decoder runs the copy's GEMM, as the op-by-op path."""
+    picks on a CPU with AVX512; past sixteen rows the fused decoder runs the copy's GEMM, as the
+    op-by-op path."""
     model = load_model(
         tiny_ggufs[qtype],
         dtype="float32",
@@ -202,11 +202,11 @@ def test_fused_step_equals_the_op_by_op_path_with_quantized_weights(tiny_ggufs, 
 
 
 @pytest.mark.skipif(kernels.f32_tile_linears_reason() is None, reason="the float32 tiles: an AVX2-only CPU's")
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("step", ["one decode", "six decodes", "decodes and a chunk over a cached prefix"])
 def test_fused_step_equals_the_op_by_op_path_on_the_float32_tiles(tiny_ggufs, qtype, step):
-    """What auto picks on an AVX2-only CPU: every linear on the float32 tile GEMM (no dense copy),
-    the fused decoder's steps the op-by-op path's bits."""
+    """What auto picks on an AVX2-only CPU: every linear on the float32 tile GEMM (no dense copy;
+    K-quants as sub-blocks with float32 scales), the fused decoder's steps the op-by-op path's bits."""
     model = load_model(tiny_ggufs[qtype], dtype="float32", attention_backend="cpu_paged", gguf_weights="both").model
     linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
     assert linears and all(m.tile_qweight is not None and m.weight.dense is None for m in linears)

@@ -232,6 +232,9 @@ AMX = "paged_attention_amx_bf16", "linear_amx_bf16"
 needs_amx = pytest.mark.skipif(
     not set(AMX) <= set(kernels.native_kernels()), reason=f"{' and '.join(AMX)}: no AMX tiles on this CPU or OS"
 )
+needs_f32_tiles = pytest.mark.skipif(
+    kernels.f32_tile_linears_reason() is None, reason="the float32 tiles: an AVX2-only CPU's (ATOM_KERNEL_ISA=avx2)"
+)
 # every layout a CPU's auto picks, on the head_dim-16 model; the bfloat16 ones again with heads 64
 # wide, where a CPU with AMX runs the attention and the linears on its tiles, and there at the
 # default (auto), which turns invariance on where every linear has its AMX copy
@@ -242,6 +245,8 @@ END_TO_END = (
         pytest.param(c, "wide_gguf", None, id=f"{c}-head_dim_64-auto", marks=needs_amx)
         for c in ("bfloat16+both", "bfloat16+packed", "bfloat16+dequantize")
     ]
+    # K-quants at the default where the float32 tiles take them (an AVX2-only CPU)
+    + [pytest.param("float32+both", "wide_q4_k", None, id="float32+both-q4_k-auto", marks=needs_f32_tiles)]
 )
 
 
@@ -292,9 +297,9 @@ FLOAT32_TILES = "float32 tiles"  # over the float32 tile GEMM (kernels.f32_tile_
         pytest.param("bfloat16+packed", "wide_q4_k", {}, False, id="blocks-without-tiles"),
         # heads 16 wide: the AMX attention does not take them; the vector variant's does
         pytest.param("bfloat16+both", "tiny_gguf", {}, "vector tiles without AMX", id="heads-16-wide"),
-        # float32: on where the float32 tiles take every linear (an AVX2-only CPU), else off
+        # float32: on where the float32 tiles take every linear (an AVX2-only CPU; K-quants too), else off
         pytest.param("float32+both", "wide_gguf", {}, FLOAT32_TILES, id="float32"),
-        pytest.param("float32+both", "wide_q4_k", {}, False, id="float32-without-tiles"),
+        pytest.param("float32+both", "wide_q4_k", {}, FLOAT32_TILES, id="float32-k-quants"),
     ],
 )
 def test_auto_turns_batch_invariance_on_only_where_it_costs_nothing(request, caplog, combination, model, engine, on):

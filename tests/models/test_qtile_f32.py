@@ -24,18 +24,29 @@ def linear(x: torch.Tensor, packed: torch.Tensor, qtype: gguf.GGMLQuantizationTy
     return out
 
 
+# blocks of 32: any K a multiple of 32; K-quants' super-blocks: multiples of 256
+SHAPES = [(80, 96, True), (57, 320, False), (40, 1536, True), (9, 64, False)]
+K_SHAPES = [(80, 256, True), (57, 512, False), (40, 1536, True), (9, 768, False)]
+CASES = [(q, *shape) for q in ("Q4_0", "Q4_1", "Q8_0") for shape in SHAPES]
+CASES += [(q, *shape) for q in ("Q4_K", "Q6_K") for shape in K_SHAPES]
+
+
 @needs_avx2
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
-@pytest.mark.parametrize("n,k,bias", [(80, 96, True), (57, 320, False), (40, 1536, True), (9, 64, False)])
+@pytest.mark.parametrize("qtype,n,k,bias", CASES)
 def test_the_avx2_variant_equals_the_portable_chain_for_any_rows(qtype, n, k, bias):
     """Each row count the AVX2 variant runs its own way (the GEMV with one, two or four column
     blocks at a time at 1-4 rows, the 6 x 16 GEMM past them with a last tile of rows and of columns
     cut short, K in blocks of 8 tiles with a shorter last one) gives the portable twin's bits, and a
     row the same bits whatever rows share its call; within float32 rounding of the exact product
-    over the reference's dequantized weights."""
+    over the reference's dequantized weights. The weights are the reference's bit for bit (x = I
+    gives W^T): K-quants' sub-blocks with their float32 scales (``k_quant_tiles``) too."""
     qt = gguf.GGMLQuantizationType[qtype]
     w, _ = random_quantized(n, k, qt)
     packed = pack_tile_qweight(w)
+    reference = w.dequantize(torch.float32)
+    for native in (False, True):
+        assert torch.equal(linear(torch.eye(k), packed, qt, n, None, native).t(), reference)
+        assert torch.equal(linear(torch.eye(k)[:3], packed, qt, n, None, native).t(), reference[:, :3])
     b = torch.randn(n) if bias else None
     x = torch.randn(40, k)
     twin = linear(x, packed, qt, n, b, native=False)
@@ -82,6 +93,8 @@ def test_a_weight_packed_for_another_shape_or_type_is_refused():
     with pytest.raises(RuntimeError, match="packed as tiles of type"):
         linear(torch.randn(2, 64), packed, gguf.GGMLQuantizationType.Q8_0, 32, None, True)
     with pytest.raises(RuntimeError, match="has no tiles"):
+        linear(torch.randn(2, 64), packed, gguf.GGMLQuantizationType.Q2_K, 32, None, True)
+    with pytest.raises(RuntimeError, match="packed as tiles of type 12"):  # Q4_1's tiles are not Q4_K's
         linear(torch.randn(2, 64), packed, gguf.GGMLQuantizationType.Q4_K, 32, None, True)
     panels = pack_f32_tile_weight(torch.randn(32, 64))
     with pytest.raises(RuntimeError, match="x must be"):

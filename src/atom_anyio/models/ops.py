@@ -231,6 +231,8 @@ def pack_tile_weight(w: torch.Tensor) -> torch.Tensor:
 
 
 TILE_QTYPES = (quant.Q.Q4_0, quant.Q.Q4_1, quant.Q.Q8_0)  # GGUF blocks the tile GEMM dequantizes itself
+# and those the float32 tile GEMM does: K-quants too, a sub-block of 32 a tile with float32 scales (kernels.h)
+F32_TILE_QTYPES = (*TILE_QTYPES, quant.Q.Q4_K, quant.Q.Q6_K)
 
 
 def tile_qlinear(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
@@ -249,7 +251,9 @@ def pack_tile_qweight(w: QuantizedWeight) -> torch.Tensor:
     bytes]``: one block is one column of a tile; row r (dims 2r, 2r+1 of each of the 16 columns) as 16
     bytes of nibbles (byte c: column c's two weights, the first in the low nibble) or 32 int8 for
     Q8_0, then the columns' 16 d and (Q4_1) 16 m as float16 (gemm.cpp). The missing columns of a
-    last block are zero weights."""
+    last block are zero weights. K-quants (Q4_K, Q6_K; the float32 tile GEMM's only): ``k_quant_tiles``."""
+    if w.qtype in quant.K_QUANTS:
+        return k_quant_tiles(w)
     n, k = w.shape
     nb, kb = -(-n // 16), k // quant.BLOCK_SIZE
     blocks = w.data.view(n, kb, quant.BLOCK_BYTES[w.qtype])
@@ -270,11 +274,58 @@ def pack_tile_qweight(w: QuantizedWeight) -> torch.Tensor:
     return torch.cat((pairs.reshape(nb, kb, -1), d_m.reshape(nb, kb, -1)), dim=-1).contiguous()
 
 
+def k_quant_tiles(w: QuantizedWeight) -> torch.Tensor:
+    """``w``'s Q4_K or Q6_K super-blocks as the float32 tile GEMM's tiles, ``[ceil(N/16), K/32, bytes]``,
+    one sub-block of 32 a column of a tile (kernels.h): Q4_K's nibbles as Q4_1's (row r: byte c holds
+    column c's dims 2r, 2r+1), then the columns' 16 s = d sc and 16 m = -(dmin mn) as float32 (w = s q +
+    m); Q6_K's q - 32 as Q8_0's int8, then 16 s = d sc of dims 0-15 and 16 of dims 16-31 (w = s q). The
+    scales are exact products (an 11-bit d by a 6- or 8-bit scale), so the kernels' s q + m and s q round
+    as ``gguf.quants.dequantize`` does (ggml's dequantize_row_q4_K / q6_K)."""
+    n, k = w.shape
+    nb, sb = -(-n // 16), k // 256
+    bytes_ = w.data.view(n, sb, -1).to(torch.int32)
+    if w.qtype == quant.Q.Q4_K:
+        d = w.data.view(n, sb, -1)[..., 0:2].contiguous().view(torch.float16).float()
+        dmin = w.data.view(n, sb, -1)[..., 2:4].contiguous().view(torch.float16).float()
+        sc6 = bytes_[..., 4:16]
+        j = torch.arange(4)
+        lo_sc, lo_mn = sc6[..., j] & 63, sc6[..., j + 4] & 63
+        hi_sc = (sc6[..., j + 8] & 0x0F) | ((sc6[..., j] >> 6) << 4)
+        hi_mn = (sc6[..., j + 8] >> 4) | ((sc6[..., j + 4] >> 6) << 4)
+        sc, mn = torch.cat((lo_sc, hi_sc), -1).float(), torch.cat((lo_mn, hi_mn), -1).float()  # [n, sb, 8]
+        scales = torch.stack((d * sc, -(dmin * mn)), -1)  # [n, sb, 8, 2]: s, m
+        qs = bytes_[..., 16:144].view(n, sb, 4, 32)  # bytes 32p..32p+31: sub-block 2p low, 2p + 1 high
+        q = torch.stack((qs & 0x0F, qs >> 4), 3).reshape(n, sb * 8, 32)
+    else:
+        d = w.data.view(n, sb, -1)[..., 208:210].contiguous().view(torch.float16).float()
+        sc = w.data.view(n, sb, -1)[..., 192:208].contiguous().view(torch.int8).float()  # per 16
+        scales = (d * sc).view(n, sb, 8, 2)  # [n, sb, 8, 2]: dims 0-15's s, dims 16-31's
+        ql, qh = bytes_[..., 0:128].view(n, sb, 2, 2, 32), bytes_[..., 128:192].view(n, sb, 2, 1, 32)
+        # sub-block j = 4h + t: ql byte 64h + 32 (t & 1) + i, nibble t >> 1; qh byte 32h + i, bits 2t
+        lo = torch.stack((ql & 0x0F, ql >> 4), 3).view(n, sb, 2, 4, 32)  # [.., h, 2 (t >> 1) + (t & 1), i]
+        hi = torch.stack([(qh >> (2 * t)) & 3 for t in range(4)], 3).view(n, sb, 2, 4, 32)
+        q = ((lo | (hi << 4)) - 32).reshape(n, sb * 8, 32)
+    kb = k // 32
+    scales = scales.reshape(n, kb, 2)
+    if n % 16:
+        q = torch.cat((q, q.new_zeros(nb * 16 - n, kb, 32)))
+        scales = torch.cat((scales, scales.new_zeros(nb * 16 - n, kb, 2)))
+    q = q.view(nb, 16, kb, 16, 2).permute(0, 2, 3, 1, 4)  # [NB, KB, row, column, 2]
+    if w.qtype == quant.Q.Q4_K:
+        rows = (q[..., 0] | (q[..., 1] << 4)).to(torch.uint8)
+    else:
+        rows = q.to(torch.int8).view(torch.uint8)
+    tail = scales.view(nb, 16, kb, 2).permute(0, 2, 3, 1).contiguous()  # [NB, KB, s then m, column]
+    return torch.cat((rows.reshape(nb, kb, -1), tail.view(torch.uint8).reshape(nb, kb, -1)), dim=-1).contiguous()
+
+
 def f32_tileable(w) -> bool:
     """Whether the float32 tile GEMM (qtile_f32.cpp) takes this weight: GGUF blocks it has tiles for
     (K a multiple of 32) with float32 activations, or a float32 matrix; on the CPU."""
     if isinstance(w, QuantizedWeight):
-        return w.dtype == torch.float32 and w.qtype in TILE_QTYPES and w.shape[1] % 32 == 0 and w.device.type == "cpu"
+        return (
+            w.dtype == torch.float32 and w.qtype in F32_TILE_QTYPES and w.shape[1] % 32 == 0 and w.device.type == "cpu"
+        )
     return isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.dim() == 2 and w.device.type == "cpu"
 
 
@@ -289,7 +340,7 @@ def f32_tiles_cover(model: torch.nn.Module) -> bool:
 def pack_f32_tile_linears(model: torch.nn.Module) -> int:
     """Keep each float32 linear in the layout the float32 tile GEMM reads (qtile_f32.cpp: one FMA chain
     per output element at any row count, so batch-invariant by construction): GGUF blocks (Q4_0, Q4_1,
-    Q8_0; K a multiple of 32) as quantized tiles (``tile_qweight``; the layer's dense copy, then unread,
+    Q8_0, and Q4_K, Q6_K as sub-blocks with float32 scales; K a multiple of 32) as quantized tiles (``tile_qweight``; the layer's dense copy, then unread,
     is dropped unless an embedding looks its rows up), a float32 matrix as panels (``tile_weight``,
     ``pack_f32_tile_weight``; the matrix stays, as bfloat16's tiles leave it). Returns the bytes the
     packed copies take."""

@@ -31,10 +31,21 @@ inline float half_at(const uint8_t* p) {
 
 // GGUF blocks packed as quantized tiles (ops.pack_tile_qweight; gemm.cpp's bfloat16 and qtile_f32.cpp's float32
 // tile GEMMs): 16 rows of weights (16 bytes of nibbles, or 32 int8 for Q8_0), then the 16 columns' d and (Q4_1) m
+// as float16. K-quants have tiles on the float32 GEMM only, a sub-block of 32 a tile, with float32 scales (the
+// exact products of d and a sub-block's 6- or 8-bit scale): Q4_K's nibbles as Q4_1's, then the columns' 16 s and
+// 16 m (w = s q + m); Q6_K's q - 32 as Q8_0's int8, then 16 s for dims 0-15 and 16 for dims 16-31 (w = s q)
 constexpr int64_t Q4_TILE_BYTES = 16 * 16 + 2 * 16 * 2, Q8_TILE_BYTES = 16 * 32 + 16 * 2;
-inline int64_t qtile_bytes(int64_t type) { return type == Q8_0 ? Q8_TILE_BYTES : Q4_TILE_BYTES; }
+constexpr int64_t Q4K_TILE_BYTES = 16 * 16 + 2 * 16 * 4, Q6K_TILE_BYTES = 16 * 32 + 2 * 16 * 4;
+inline int64_t qtile_bytes(int64_t type) {
+  switch (type) {
+    case Q8_0: return Q8_TILE_BYTES;
+    case Q4_K: return Q4K_TILE_BYTES;
+    case Q6_K: return Q6K_TILE_BYTES;
+    default: return Q4_TILE_BYTES;
+  }
+}
 // where a tile's scales begin: after its 16 rows of weights
-constexpr int64_t q_scales_at(int64_t type) { return type == Q8_0 ? 16 * 32 : 16 * 16; }
+constexpr int64_t q_scales_at(int64_t type) { return type == Q8_0 || type == Q6_K ? 16 * 32 : 16 * 16; }
 
 // Which variants run comes with each call, from the model's plan (models/plan.py): `native`, the native
 // variants where built (false: their portable twins, cpu_native_kernels), and `amx`, bfloat16 attention on

@@ -1,6 +1,7 @@
 // Float32 linears over GGUF blocks packed as quantized tiles (ops.pack_tile_qweight, the layout the
 // bfloat16 tile GEMM reads: [ceil(N/16)][K/32][bytes], a tile holding 16 columns' blocks of 32 dims,
-// row r their dims 2r and 2r + 1, then the columns' d and m as float16):
+// row r their dims 2r and 2r + 1, then the columns' d and m as float16; K-quants' sub-blocks of 32 too,
+// with float32 scales, kernels.h):
 //
 //   tile_qlinear_f32:  out [M, N] = x [M, K] W^T (+ bias), float32, any M
 //   tile_linear_f32:   the same over float32 weights packed as panels [ceil(N/16)][K][16]
@@ -8,7 +9,7 @@
 //
 // Each output element is one chain whatever M is: a zeroed accumulator, fma(x[k], w[k], acc) for k
 // in order, then + bias (none without one), where w[k] is the reference's dequantized weight (quant.py:
-// d q + m, d (q - 8), d q), so batch-invariant by construction and the dense copy's GEMM to within
+// d q + m, d (q - 8), d q; Q4_K's s q + m, Q6_K's s q, as gguf's dequantize rounds them), so batch-invariant by construction and the dense copy's GEMM to within
 // summation order. The portable twin computes the chain one element at a time (std::fma); the AVX2
 // variant (qtile_f32_avx2.h) eight columns to a register, its GEMV at 1-4 rows and its GEMM beyond
 // equal to the twin bit for bit. Where the CPU has AVX2 and no AVX512, float32 GGUF linears run here
@@ -30,10 +31,22 @@ namespace {
 
 using namespace atom;
 
+// the float32 stored at p (a K-quant tile's scale)
+inline float float_at(const uint8_t* p) {
+  float f;
+  std::memcpy(&f, p, sizeof f);
+  return f;
+}
+
 // column c's weight at dim k (0-31) of a tile, as the reference dequantizes it
 inline float tile_weight(int64_t type, const uint8_t* tile, int c, int k) {
   const int r = k / 2, t = k % 2;
   const uint8_t* s = tile + q_scales_at(type);
+  if (type == Q6_K) return float_at(s + (k < 16 ? 0 : 64) + 4 * c) * float(int8_t(tile[r * 32 + 2 * c + t]));
+  if (type == Q4_K) {  // s q is exact (a 17-bit s by a 4-bit q), then one rounding as the reference's
+    const int q = t ? tile[r * 16 + c] >> 4 : tile[r * 16 + c] & 15;
+    return float_at(s + 4 * c) * float(q) + float_at(s + 64 + 4 * c);
+  }
   const float d = half_at(s + 2 * c);
   if (type == Q8_0) return d * float(int8_t(tile[r * 32 + 2 * c + t]));
   const int q = t ? tile[r * 16 + c] >> 4 : tile[r * 16 + c] & 15;
@@ -90,7 +103,8 @@ namespace atom::op {
 // `native`: the AVX2 variant where the build has it, else (and with native=false) the portable twin
 void tile_qlinear_f32(at::Tensor& out, const at::Tensor& x, const at::Tensor& wq, int64_t qtype,
                       const c10::optional<at::Tensor>& bias, bool native) {
-  TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0, "tile_qlinear_f32: type ", qtype, " has no tiles");
+  TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0 || qtype == Q4_K || qtype == Q6_K, "tile_qlinear_f32: type ",
+              qtype, " has no tiles");
   TORCH_CHECK(wq.dim() == 3 && wq.is_contiguous() && wq.scalar_type() == at::kByte && wq.size(2) == qtile_bytes(qtype),
               "tile_qlinear_f32: the weight must be packed as tiles of type ", qtype);
   const at::Tensor b = checked_bias("tile_qlinear_f32", out, x, wq.size(0), wq.size(1) * 32, bias);
@@ -105,6 +119,8 @@ void tile_qlinear_f32(at::Tensor& out, const at::Tensor& x, const at::Tensor& wq
     float* op = out.data_ptr<float>();
     if (qtype == Q4_1) return qtile_avx2::linear<Q4_1>(xp, M, K, wp, NB, KB, tb, op, N, bp);
     if (qtype == Q4_0) return qtile_avx2::linear<Q4_0>(xp, M, K, wp, NB, KB, tb, op, N, bp);
+    if (qtype == Q4_K) return qtile_avx2::linear<Q4_K>(xp, M, K, wp, NB, KB, tb, op, N, bp);
+    if (qtype == Q6_K) return qtile_avx2::linear<Q6_K>(xp, M, K, wp, NB, KB, tb, op, N, bp);
     return qtile_avx2::linear<Q8_0>(xp, M, K, wp, NB, KB, tb, op, N, bp);
   }
 #endif

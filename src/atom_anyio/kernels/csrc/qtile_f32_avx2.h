@@ -3,7 +3,8 @@
 //
 // A tile row r holds dims 2r and 2r + 1 of the tile's 16 columns; row_weights turns it into four
 // registers of weights (columns 0-7 and 8-15, each dim), dequantized exactly as the reference does
-// (quant.py: d q + m, d (q - 8), d q; d q is exact, so an FMA rounds as the two steps do).
+// (quant.py: d q + m, d (q - 8), d q; d q is exact, so an FMA rounds as the two steps do; Q4_K's
+// s q + m and Q6_K's s q alike, with float32 scales).
 //
 // 1-4 rows (decodes): gemv_tiles, the tiles streaming once, dequantized in registers, each row of x
 // against one or two column blocks at a time (four to eight FMA chains in flight). More: gemm_tiles,
@@ -42,6 +43,11 @@ template <int64_t Type>
 inline Scales tile_scales(const uint8_t* tile) {
   const uint8_t* s = tile + q_scales_at(Type);
   Scales sc;
+  if constexpr (Type == Q4_K || Type == Q6_K) {  // float32: s and m (Q4_K), or the two halves' s (Q6_K)
+    const float* f = reinterpret_cast<const float*>(s);
+    for (int h = 0; h < 2; ++h) sc.d[h] = _mm256_loadu_ps(f + 8 * h), sc.m[h] = _mm256_loadu_ps(f + 16 + 8 * h);
+    return sc;
+  }
   for (int h = 0; h < 2; ++h) {
     sc.d[h] = _mm256_cvtph_ps(load16(s + 16 * h));
     sc.m[h] = Type == Q4_1 ? _mm256_cvtph_ps(load16(s + 32 + 16 * h)) : _mm256_setzero_ps();
@@ -52,12 +58,13 @@ inline Scales tile_scales(const uint8_t* tile) {
 // tile row r's weights: w[h][t] holds columns 8h .. 8h + 7 of dim 2r + t
 template <int64_t Type>
 inline void row_weights(const uint8_t* tile, int r, const Scales& sc, __m256 w[2][2]) {
-  if constexpr (Type == Q8_0) {
+  if constexpr (Type == Q8_0 || Type == Q6_K) {
+    const __m256* d = Type == Q6_K && r >= 8 ? sc.m : sc.d;  // Q6_K: dims 16-31's own scales
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {  // a column's two int8 side by side: one int32 lane per column
       const __m256i v = _mm256_cvtepi8_epi16(load16(tile + r * 32 + 16 * h));
-      w[h][0] = _mm256_mul_ps(sc.d[h], _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 16), 16)));
-      w[h][1] = _mm256_mul_ps(sc.d[h], _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 16)));
+      w[h][0] = _mm256_mul_ps(d[h], _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 16), 16)));
+      w[h][1] = _mm256_mul_ps(d[h], _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 16)));
     }
   } else {
     const __m128i b = load16(tile + r * 16);
