@@ -23,9 +23,11 @@ from structlog.testing import capture_logs
 from support_fakes import FakeSampler, ScriptedSampler, fake_sampler, scripted
 from support_servers import free_port, served_over_http
 
+from atom_anyio.api.anthropic import ContentBlocks
 from atom_anyio.api.anthropic_schemas import MessagesRequest
 from atom_anyio.api.app import AtomApp
 from atom_anyio.config import Config
+from atom_anyio.parse import OutputParser, ParserSpec
 from atom_anyio.prompt.prepare import prepare_prompt
 from atom_anyio.templates import template_path
 
@@ -750,3 +752,21 @@ async def test_claude_codes_session_and_cache_control_set_the_kv_lease(client, a
     assert status == 200
     lease = bm.leases['{"session_id": "s-8"}']  # no cache_control: the server's TTL
     assert lease.expiry - bm.clock() <= atom.runtime.config.engine.kv_lease_ttl_s
+
+
+def test_a_malformed_tool_call_streams_in_order_however_the_deltas_fall():
+    """Many tokens to a delta (a verified draft's) can announce a call and prove it malformed at once:
+    at every pair of cut points the blocks are the call's tool_use block, then its text, and never a
+    call's delta after its own text. Before the parser's ordered pieces, a call whose deltas and text
+    came in one delta got its tool_use block after the text, and cuts at 1 and 50 failed the stream."""
+    broken = '<tool_call>\n{"name": "get_weather", "arguments": {"city": }}\n</tool_call>'
+    spec = ParserSpec(None, "hermes")
+    for i in range(1, len(broken)):
+        for j in range(i, len(broken) + 1):
+            blocks = ContentBlocks(OutputParser(spec, False, parse_tools=True))
+            events = [e for part in (broken[:i], broken[i:j], broken[j:]) if part for e in blocks.feed(part)]
+            events += blocks.finish(is_cut=False)
+            kinds = [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"]
+            assert kinds in (["text"], ["tool_use", "text"]), (i, j, kinds)
+            text = "".join(e["delta"].get("text", "") for e in events if e["type"] == "content_block_delta")
+            assert text == broken and blocks.content == [{"type": "text", "text": broken}], (i, j)

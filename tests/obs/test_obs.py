@@ -187,7 +187,10 @@ async def test_vllm_metrics_count_the_served_requests_under_vllms_names_and_labe
     assert v(after, "vllm:kv_cache_usage_perc") == value(after, "atom_kv_cache_usage_ratio")
     for family in text_string_to_metric_families(after):
         if family.name.startswith("vllm:") and family.name != "vllm:cache_config_info":  # an info gauge: below
-            assert {tuple(sorted(set(s.labels) - {"le"})) for s in family.samples} == {("engine", "model_name")}
+            # speculation's accepted tokens per draft position add vLLM's `position` label (where drafts ran)
+            per_position = family.name == "vllm:spec_decode_num_accepted_tokens_per_pos"
+            expected = ("engine", "model_name", "position") if per_position else ("engine", "model_name")
+            assert {tuple(sorted(set(s.labels) - {"le"})) for s in family.samples} == {expected}
 
 
 def cache_config_info(text: str) -> dict[str, str]:

@@ -321,6 +321,42 @@ def test_a_malformed_call_comes_back_as_content(fmt: str, text: str):
     assert parsed.content == text and parsed.complete == []
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        'ok <tool_call>\n{"name": "get_weather", "arguments": {"city": }}\n</tool_call> then',
+        '<tool_call>{"name": "f", "arguments": {}} trailing</tool_call>',
+        '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>\n<tool_call>{"name": "g", "arguments": {]}</tool_call>',
+    ],
+)
+def test_streamed_pieces_keep_the_texts_order_when_a_call_proves_malformed(text: str):
+    """A call announced and then found malformed comes back as text after its deltas (as many tokens
+    arriving at once, a verified draft's, bring it): ``feed_pieces`` gives content before calls in
+    each piece, so a block-building client (Anthropic's, the Responses API's) sees the call's deltas,
+    then its text; never a delta of a call after text that followed it. At every two-way split and
+    one character at a time, the pieces join to ``feed``'s result."""
+    spec = ParserSpec(None, "hermes")
+    splits = [[text[:i], text[i:]] for i in range(len(text) + 1)] + [list(text)]
+    reference = OutputParser(spec, False, parse_tools=True)
+    whole = reference.parse_all(text)
+    for parts in splits:
+        parser = OutputParser(spec, False, parse_tools=True)
+        pieces = [pd for part in parts for pd in parser.feed_pieces(part)] + parser.finish_pieces()
+        events: list[tuple[str, int | None]] = []
+        for pd in pieces:
+            events += [("text", None)] if pd.content else []
+            events += [("call", d.index) for d in pd.tool_calls]
+        for at, (kind, index) in enumerate(events):
+            if kind == "call":  # no text between a call's first delta and this one
+                first = next(i for i, e in enumerate(events) if e == ("call", index))
+                assert ("text", None) not in events[first:at], (parts, pieces)
+        joined = sum(pieces, ParsedDelta())
+        assert joined.content == whole.content, parts
+        assert [(c.name, c.arguments) for c in parser.tool_calls] == [
+            (c.name, c.arguments) for c in reference.tool_calls
+        ]
+
+
 def test_an_end_tag_inside_a_json_string_is_the_strings_text():
     arguments = '{"note": "a</tool_call>b"}'
     text = f'<tool_call>\n{{"name": "f", "arguments": {arguments}}}\n</tool_call>'

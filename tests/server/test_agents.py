@@ -65,10 +65,12 @@ class AgentScript:
         self.num_requests = 0
 
     def __call__(self, logits: Any, inputs: SamplingInputs, finite: Any = None) -> SamplerOutput:
-        (out,) = inputs.output_token_ids
-        self.num_requests += not out
+        # the one sequence's rows: one, or a verifying step's, each position's output so far (drafts included)
+        outs = inputs.output_token_ids
+        self.num_requests += not outs[0]
         reply = self.replies[self.num_requests - 1]
-        return SamplerOutput([reply[len(out)] if len(out) < len(reply) else inputs.eos_token_ids[0]], [None])
+        ids = [reply[len(out)] if len(out) < len(reply) else inputs.eos_token_ids[0] for out in outs]
+        return SamplerOutput(ids, [None] * len(ids))
 
 
 @contextmanager

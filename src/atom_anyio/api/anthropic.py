@@ -188,10 +188,10 @@ class ContentBlocks:
         return bool(self.parser.tool_calls)
 
     def feed(self, text: str) -> list[Event]:
-        return self._add(self.parser.feed(text))
+        return [e for pd in self.parser.feed_pieces(text) for e in self._add(pd)]  # in the text's order
 
     def finish(self, *, is_cut: bool) -> list[Event]:
-        return self._add(self.parser.finish(is_cut=is_cut)) + self._close()
+        return [e for pd in self.parser.finish_pieces(is_cut=is_cut) for e in self._add(pd)] + self._close()
 
     def _add(self, pd: ParsedDelta) -> list[Event]:
         events = self._thinking(pd.reasoning) if pd.reasoning else []

@@ -131,13 +131,15 @@ class ResponseEncoder:
         finish = None
         async with GenerationStream(stream, self.usage, 1) as deltas:
             async for d in deltas:
-                for event in self._parsed(self.parser.feed(d.text)):
-                    yield event
+                for pd in self.parser.feed_pieces(d.text):  # in the text's order
+                    for event in self._parsed(pd):
+                        yield event
                 if self.open is not None and self.open["type"] == "reasoning":
                     self.num_reasoning_tokens += len(d.token_ids)
                 finish = d.finish_reason
-        for event in self._parsed(self.parser.finish(is_cut=finish == "length")):
-            yield event
+        for pd in self.parser.finish_pieces(is_cut=finish == "length"):
+            for event in self._parsed(pd):
+                yield event
         self.status = "incomplete" if finish == "length" else "completed"
         for event in self._end_output():
             yield event

@@ -140,28 +140,43 @@ class OutputParser:
 
     def feed(self, text: str) -> ParsedDelta:
         """One engine text delta in; the newly classified text out."""
-        if self._harmony is not None:
-            reasoning, content, calls = self._harmony.feed(text)
-            return ParsedDelta(reasoning, content, merge_deltas(calls))
-        reasoning, content = self._reasoning.feed(text) if self._reasoning else ("", text)
-        if self._tools is None:
-            return ParsedDelta(reasoning, content)
-        content, calls = self._tools.feed(content)
-        return ParsedDelta(reasoning, content, merge_deltas(calls))
+        return joined_deltas(self.feed_pieces(text))
 
     def finish(self, *, is_cut: bool = False) -> ParsedDelta:
         """End of output: release held-back text; an unfinished or malformed call comes back as
         content, unless ``is_cut`` (the output ran out of tokens): then the call it was in is a
         call cut short (``ToolCall.is_cut``), its markup never content."""
+        return joined_deltas(self.finish_pieces(is_cut=is_cut))
+
+    def feed_pieces(self, text: str) -> list[ParsedDelta]:
+        """``feed`` in the text's order, for outputs that build blocks or items in turn (Anthropic's,
+        the Responses API's): pieces each with its reasoning, then content, then calls. A call that
+        proves malformed comes back as text after the deltas that announced it, and a piece puts
+        content before calls, so that text is the next piece's."""
+        if self._harmony is not None:
+            reasoning, content, calls = self._harmony.feed(text)
+            return [ParsedDelta(reasoning, content, merge_deltas(calls))]
+        reasoning, content = self._reasoning.feed(text) if self._reasoning else ("", text)
+        if self._tools is None:
+            return [ParsedDelta(reasoning, content)]
+        return self._with_calls(reasoning, self._tools.feed_pieces(content))
+
+    def finish_pieces(self, *, is_cut: bool = False) -> list[ParsedDelta]:
+        """``finish`` in the text's order (``feed_pieces``)."""
         if self._harmony is not None:
             reasoning, content, calls = self._harmony.finish()
-            return ParsedDelta(reasoning, content, merge_deltas(calls))
+            return [ParsedDelta(reasoning, content, merge_deltas(calls))]
         reasoning, content = self._reasoning.finish() if self._reasoning else ("", "")
         if self._tools is None:
-            return ParsedDelta(reasoning, content)
-        content, calls = self._tools.feed(content)
-        rest, more = self._tools.finish(is_cut=is_cut)
-        return ParsedDelta(reasoning, content + rest, merge_deltas(calls + more))
+            return [ParsedDelta(reasoning, content)]
+        pieces = self._tools.feed_pieces(content) + self._tools.finish_pieces(is_cut=is_cut)
+        return self._with_calls(reasoning, pieces)
+
+    @staticmethod
+    def _with_calls(reasoning: str, pieces: list[tuple[str, list[ToolCallDelta]]]) -> list[ParsedDelta]:
+        out = [ParsedDelta(reasoning)] if reasoning else []
+        out += [ParsedDelta("", content, merge_deltas(calls)) for content, calls in pieces]
+        return out or [ParsedDelta()]
 
     def parse_all(self, text: str, *, is_cut: bool = False) -> ParsedDelta:
         """A whole output at once (non-streaming responses): ``feed(text) + finish(is_cut=is_cut)``."""
@@ -172,6 +187,11 @@ class OutputParser:
         """The well-formed calls so far; after ``finish(is_cut=True)``, the cut call last."""
         calls = self._harmony or self._tools
         return list(calls.calls) if calls else []
+
+
+def joined_deltas(pieces: list[ParsedDelta]) -> ParsedDelta:
+    """Ordered pieces as one delta: its reasoning, its content and its calls, each joined."""
+    return sum(pieces, ParsedDelta())
 
 
 def merge_deltas(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:

@@ -39,7 +39,10 @@ class ToolParser:
 
     ``_step`` consumes what it can decide from ``_buf`` and returns (content, deltas), or None
     when it must wait for more text. A feed stops once a call has ended, so that content after
-    it waits for the next feed and the text order (content, then calls) holds within one result.
+    it waits for the next feed and the text order (content, then calls) holds within one result,
+    but for a call that proves malformed: its text comes back as content after the deltas that
+    announced it, and ``finish`` runs to the end. ``feed_pieces`` / ``finish_pieces`` keep that
+    order: (content, deltas) pieces, each piece's content before its deltas.
     """
 
     start_marks_a_call = True  # a start tag makes text a call; a cut one is markup, not content
@@ -53,30 +56,40 @@ class ToolParser:
         self._after_call = False  # whitespace right after a call is dropped unless text follows
         self._is_final = False
         self._is_cut = False  # the output ended at its token budget
+        self._content_after = ""  # a malformed call's text: content after the step's deltas
 
     @classmethod
     def for_format(cls, name: str) -> ToolParser:
         return TOOL_CALL_PARSERS[name]()
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
-        self._buf += text
-        return self._run()
+        return joined(self.feed_pieces(text))
 
     def finish(self, *, is_cut: bool = False) -> tuple[str, list[ToolCallDelta]]:
         """The end of the output; ``is_cut``: it ran out of tokens (finish reason ``length``)."""
+        return joined(self.finish_pieces(is_cut=is_cut))
+
+    def feed_pieces(self, text: str) -> list[tuple[str, list[ToolCallDelta]]]:
+        self._buf += text
+        return self._run()
+
+    def finish_pieces(self, *, is_cut: bool = False) -> list[tuple[str, list[ToolCallDelta]]]:
         self._is_final, self._is_cut = True, is_cut
         return self._run()
 
-    def _run(self) -> tuple[str, list[ToolCallDelta]]:
-        content: list[str] = []
-        deltas: list[ToolCallDelta] = []
-        while not (deltas and self._call is None and not self._is_final):
+    def _run(self) -> list[tuple[str, list[ToolCallDelta]]]:
+        pieces: list[tuple[str, list[ToolCallDelta]]] = []
+        has_deltas = False
+        while not (has_deltas and self._call is None and not self._is_final):
             step = self._step()
             if step is None:
                 break
-            content.append(step[0])
-            deltas += step[1]
-        return "".join(content), deltas
+            add_piece(pieces, *step)
+            if self._content_after:
+                add_piece(pieces, self._content_after, [])
+                self._content_after = ""
+            has_deltas = has_deltas or bool(step[1])
+        return pieces
 
     def _step(self) -> tuple[str, list[ToolCallDelta]] | None:
         raise NotImplementedError
@@ -91,8 +104,9 @@ class ToolParser:
             self._num_announced += 1
         self._call = None
         raw, self._raw = self._raw, ""
-        if call is None:
-            return raw, deltas
+        if call is None:  # its text is content again, after the deltas that announced it
+            self._content_after = raw
+            return "", deltas
         self.calls.append(call)
         self._after_call = True
         return "", deltas + more
@@ -114,6 +128,22 @@ class ToolParser:
         if self._call.is_complete or self._is_final:
             return self._end_call(deltas, is_closed=self._call.is_complete)
         return ("", deltas) if buf else None
+
+
+def add_piece(pieces: list[tuple[str, list[ToolCallDelta]]], content: str, deltas: list[ToolCallDelta]) -> None:
+    """Append a step's (content, deltas), content first, to ordered pieces: content continues the last
+    piece while it has no deltas; deltas alone follow the last piece's."""
+    if content and pieces and not pieces[-1][1]:
+        pieces[-1] = (pieces[-1][0] + content, list(deltas))
+    elif content or not pieces:
+        pieces.append((content, list(deltas)))
+    else:
+        pieces[-1][1].extend(deltas)
+
+
+def joined(pieces: list[tuple[str, list[ToolCallDelta]]]) -> tuple[str, list[ToolCallDelta]]:
+    """The pieces' content and deltas, each joined in order."""
+    return "".join(c for c, _ in pieces), [d for _, deltas in pieces for d in deltas]
 
 
 class _TaggedParser(ToolParser):
