@@ -275,21 +275,20 @@ needs_vector_tiles = pytest.mark.skipif(
 
 
 @needs_vector_tiles
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
 @pytest.mark.parametrize(
     "step", ["one decode", "four decodes across block ends", "six decodes", "decodes and a chunk over a cached prefix"]
 )
 def test_fused_step_equals_the_op_by_op_path_for_a_gguf_at_the_defaults_without_amx(tiny_ggufs, qtype, step):
     """The default model's layout where auto picks bfloat16 without AMX (Zen 4, Zen 5; cpu_amx=false
     forces it on AMX): batch invariance on, every linear on the tile GEMM's vector variant at any row
-    count, Q4_0/Q4_1/Q8_0 blocks in the blocks' chain (their dense copies dropped, the embedding's
-    kept for its rows), Q4_K over its dense copy's tiles; the attention's fixed partition."""
+    count, the blocks in the blocks' chain (K-quants as sub-blocks with float32 scales; their dense
+    copies dropped, the embedding's kept for its rows); the attention's fixed partition."""
     loaded = load_model(tiny_ggufs[qtype], dtype="bfloat16", attention_backend="cpu", gguf_weights="both", amx=False)
     model = loaded.model
     assert loaded.plan.batch_invariant and loaded.plan.fused_decoder
     down = model.model.layers[0].mlp.down_proj
-    chain = qtype != Q.Q4_K
-    assert (down.tile_qweight is not None, down.tile_weight is not None) == (chain, not chain)
+    assert down.tile_qweight is not None and down.tile_weight is None
     assert down.weight.dense is None  # the tiles serve every row count
     assert_same(model, step)
 

@@ -232,6 +232,9 @@ AMX = "paged_attention_amx_bf16", "linear_amx_bf16"
 needs_amx = pytest.mark.skipif(
     not set(AMX) <= set(kernels.native_kernels()), reason=f"{' and '.join(AMX)}: no AMX tiles on this CPU or OS"
 )
+needs_chain = pytest.mark.skipif(
+    not kernels.has_tile_linears() or kernels.has_amx_linears(), reason="the blocks' chain: AVX512-BF16 without AMX"
+)
 needs_f32_tiles = pytest.mark.skipif(
     kernels.f32_tile_linears_reason() is None, reason="the float32 tiles: an AVX2-only CPU's (ATOM_KERNEL_ISA=avx2)"
 )
@@ -245,8 +248,10 @@ END_TO_END = (
         pytest.param(c, "wide_gguf", None, id=f"{c}-head_dim_64-auto", marks=needs_amx)
         for c in ("bfloat16+both", "bfloat16+packed", "bfloat16+dequantize")
     ]
-    # K-quants at the default where the float32 tiles take them (an AVX2-only CPU)
+    # K-quants at the default where the float32 tiles take them (an AVX2-only CPU), and where the blocks'
+    # chain does (AVX512-BF16 without AMX)
     + [pytest.param("float32+both", "wide_q4_k", None, id="float32+both-q4_k-auto", marks=needs_f32_tiles)]
+    + [pytest.param("bfloat16+packed", "wide_q4_k", None, id="bfloat16+packed-q4_k-auto", marks=needs_chain)]
 )
 
 
@@ -291,10 +296,11 @@ FLOAT32_TILES = "float32 tiles"  # over the float32 tile GEMM (kernels.f32_tile_
             "bfloat16+both", "wide_gguf", {"cpu_native_kernels": False}, False, marks=needs_amx, id="native-off"
         ),
         # GGUF blocks with a dense copy or without: on the tiles where the CPU has a tile GEMM (Q4_1's
-        # quantized tiles, or the blocks' chain without AMX), else through the GEMV (Q4_K)
+        # quantized tiles, or the blocks' chain without AMX, K-quants too), else through the GEMV (Q4_K
+        # without a dense copy on AMX, whose tiles take the 32-blocks only)
         pytest.param("bfloat16+both", "wide_gguf", {}, VECTOR_TILES, id="blocks-and-dense-copies"),
         pytest.param("bfloat16+packed", "wide_gguf", {}, VECTOR_TILES, id="blocks-on-the-tiles"),
-        pytest.param("bfloat16+packed", "wide_q4_k", {}, False, id="blocks-without-tiles"),
+        pytest.param("bfloat16+packed", "wide_q4_k", {}, "vector tiles without AMX", id="k-quant-blocks"),
         # heads 16 wide: the AMX attention does not take them; the vector variant's does
         pytest.param("bfloat16+both", "tiny_gguf", {}, "vector tiles without AMX", id="heads-16-wide"),
         # float32: on where the float32 tiles take every linear (an AVX2-only CPU; K-quants too), else off

@@ -783,16 +783,24 @@ def test_amx_linears_over_gguf_blocks_give_the_dense_copys_bits(qtype, n, k, bia
         assert torch.equal(tile_qlinear(x, layer), tile_linear(x, dense, n, layer.bias, True)), f"{rows} rows"
 
 
+CHAIN_CASES = [
+    (q, *shape) for q in ("Q4_0", "Q4_1", "Q8_0") for shape in [(80, 96, True), (49, 576, False), (40, 1536, True)]
+]
+CHAIN_CASES += [
+    (q, *shape) for q in ("Q4_K", "Q6_K") for shape in [(80, 256, True), (49, 512, False), (40, 1536, True)]
+]
+
+
 @pytest.mark.skipif(VEC_LINEAR not in kernels.native_kernels(), reason=f"{VEC_LINEAR}: no AVX512-BF16")
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
-@pytest.mark.parametrize("n,k,bias", [(80, 96, True), (49, 576, False), (40, 1536, True)])
+@pytest.mark.parametrize("qtype,n,k,bias", CHAIN_CASES)
 def test_vector_linears_over_gguf_blocks_run_the_blocks_chain_in_any_batch(qtype, n, k, bias):
     """The vector variant over a layer's GGUF blocks (the blocks' chain: each block's pair products
-    of x and the integers, scaled by d, plus Q4_1's m times the block's sum of x) is within a bfloat16
-    rounding of the exact product over the dequantized float32 weights, and gives a row the same bits
-    whatever rows share its call: the few-row tiles (1-8 rows, four at a time) and the unpacked panel
-    (past 8, six rows by 1-4 column blocks) run one chain. A last column block cut short, a bias or
-    none; its bits are not the dense copy's (the scales apply to the sums, not to each weight)."""
+    of x and the integers, scaled by d, plus Q4_1's m times the block's sum of x; K-quants' sub-blocks
+    alike with float32 scales, Q6_K's two halves each its own) is within a bfloat16 rounding of the
+    exact product over the dequantized float32 weights, and gives a row the same bits whatever rows
+    share its call: the few-row tiles (1-8 rows, four at a time) and the unpacked panel (past 8, six
+    rows by 1-4 column blocks) run one chain. A last column block cut short, a bias or none; its bits
+    are not the dense copy's (the scales apply to the sums, not to each weight)."""
     torch.manual_seed(0)
     layer, _ = _quantized_tile_layer(qtype, n, k, bias, amx=False)
     x = torch.randn(300, k).bfloat16()

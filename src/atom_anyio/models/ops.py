@@ -231,7 +231,8 @@ def pack_tile_weight(w: torch.Tensor) -> torch.Tensor:
 
 
 TILE_QTYPES = (quant.Q.Q4_0, quant.Q.Q4_1, quant.Q.Q8_0)  # GGUF blocks the tile GEMM dequantizes itself
-# and those the float32 tile GEMM does: K-quants too, a sub-block of 32 a tile with float32 scales (kernels.h)
+# and those the float32 tile GEMM and the bfloat16 one's vector variant (the blocks' chain) do: K-quants too,
+# a sub-block of 32 a tile with float32 scales (kernels.h)
 F32_TILE_QTYPES = (*TILE_QTYPES, quant.Q.Q4_K, quant.Q.Q6_K)
 
 
@@ -402,7 +403,7 @@ def pack_bf16_linears(model: torch.nn.Module, tiles: bool | None = None, amx: bo
         if w is None or w.dtype != torch.bfloat16 or w.device.type != "cpu":
             continue
         quantized = isinstance(w, QuantizedWeight)
-        if chain and quantized and w.qtype in TILE_QTYPES:  # the blocks' chain reads the blocks, not a dense copy
+        if chain and quantized and w.qtype in F32_TILE_QTYPES:  # the blocks' chain reads the blocks, not a dense copy
             m.dense_dropped = getattr(m, "dense_dropped", False) or w.dense is not None
             m.tile_qweight, m.tile_amx, m.tile_weight, m.packed_weight = pack_tile_qweight(w), amx, None, None
             num_bytes += m.tile_qweight.nbytes

@@ -272,11 +272,11 @@ inline QIndex q_index() {
 // row r of a quantized tile as the integers q of its 16 columns' dim pairs, in bfloat16
 template <int64_t Type>
 inline __m512bh q_row(const uint8_t* tile, int r, const QIndex& c) {
-  if constexpr (Type == Q8_0) {
+  if constexpr (Type == Q8_0 || Type == Q6_K) {
     const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + r * 32));
     const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
     const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
-    return _mm512_cvtne2ps_pbh(q1, q0);  // exact: |q| <= 128
+    return _mm512_cvtne2ps_pbh(q1, q0);  // exact: |q| <= 128 (Q6_K's q - 32: |q| <= 32)
   } else {
     const __m512i bytes = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + r * 16)));
     const __m512i idx = _mm512_srlv_epi16(_mm512_shuffle_epi8(bytes, c.ctrl), c.shifts);
@@ -284,13 +284,23 @@ inline __m512bh q_row(const uint8_t* tile, int r, const QIndex& c) {
   }
 }
 
-// the block's d (and Q4_1's m) of the tile's 16 columns
+// K-quants (Q4_K, Q6_K) as sub-blocks of 32 with float32 scales (kernels.h, ops.k_quant_tiles)
+template <int64_t Type>
+constexpr bool K_TILES = Type == Q4_K || Type == Q6_K;
+// the types whose blocks add m times the block's sum of x
+template <int64_t Type>
+constexpr bool HAS_MIN = Type == Q4_1 || Type == Q4_K;
+
+// the block's d (and Q4_1's m) of the tile's 16 columns; K-quants': s and Q4_K's m, or Q6_K's s of
+// dims 0-15 (tile_d) and of dims 16-31 (tile_m)
 template <int64_t Type>
 inline __m512 tile_d(const uint8_t* tile) {
+  if constexpr (K_TILES<Type>) return _mm512_loadu_ps(reinterpret_cast<const float*>(tile + q_scales_at(Type)));
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + q_scales_at(Type))));
 }
 template <int64_t Type>
 inline __m512 tile_m(const uint8_t* tile) {
+  if constexpr (K_TILES<Type>) return _mm512_loadu_ps(reinterpret_cast<const float*>(tile + q_scales_at(Type) + 64));
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + q_scales_at(Type) + 32)));
 }
 
@@ -333,11 +343,18 @@ void q_tile_few(c10::BFloat16* O, int64_t N, const c10::BFloat16* X, int64_t K, 
         const __m512bh w = q_row<Type>(t[j], r, c);
         for (int i = 0; i < MR; ++i) s[i][j] = _mm512_dpbf16_ps(s[i][j], a[i], w);
       }
+      if constexpr (Type == Q6_K) {
+        if (r == 7)  // dims 0-15 end: their scale, and a fresh sum for dims 16-31
+          for (int j = 0; j < NR; ++j) {
+            const __m512 d = tile_d<Type>(t[j]);
+            for (int i = 0; i < MR; ++i) y[i][j] = _mm512_fmadd_ps(d, s[i][j], y[i][j]), s[i][j] = _mm512_setzero_ps();
+          }
+      }
     }
     for (int j = 0; j < NR; ++j) {
-      const __m512 d = tile_d<Type>(t[j]);
+      const __m512 d = Type == Q6_K ? tile_m<Type>(t[j]) : tile_d<Type>(t[j]);
       for (int i = 0; i < MR; ++i) y[i][j] = _mm512_fmadd_ps(d, s[i][j], y[i][j]);
-      if constexpr (Type == Q4_1) {
+      if constexpr (HAS_MIN<Type>) {
         const __m512 m = tile_m<Type>(t[j]);
         for (int i = 0; i < MR; ++i) y[i][j] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[i * KB + kb]), y[i][j]);
       }
@@ -376,7 +393,7 @@ struct QPanel {
         for (int r = 0; r < 16; ++r)
           _mm512_storeu_si512(&q[(j * KB + kb) * 512 + r * 32], reinterpret_cast<__m512i>(q_row<Type>(t, r, c)));
         _mm512_storeu_ps(&d[(j * KB + kb) * 16], tile_d<Type>(t));
-        if constexpr (Type == Q4_1) _mm512_storeu_ps(&m[(j * KB + kb) * 16], tile_m<Type>(t));
+        if constexpr (HAS_MIN<Type> || Type == Q6_K) _mm512_storeu_ps(&m[(j * KB + kb) * 16], tile_m<Type>(t));
       }
   }
 };
@@ -392,23 +409,33 @@ void q_tile_many(c10::BFloat16* O, int64_t N, const c10::BFloat16* X, int64_t K,
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < NR; ++j) s[i][j] = _mm512_setzero_ps();
     const c10::BFloat16* q = &panel.q[kb * 512];
-    for (int r = 0; r < 16; ++r) {
-      __m512bh w[NR];
-      for (int j = 0; j < NR; ++j) w[j] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(q + j * KB * 512 + r * 32));
-      for (int i = 0; i < MR; ++i) {
-        const __m512bh a = x_pair(X + i * K + kb * 32 + 2 * r);
-        for (int j = 0; j < NR; ++j) s[i][j] = _mm512_dpbf16_ps(s[i][j], a, w[j]);
+    // dims r0 .. r1 - 1's pairs into s, then each column's scale d into y (parked)
+    auto pairs = [&](int r0, int r1, const std::vector<float>& scales) {
+      for (int r = r0; r < r1; ++r) {
+        __m512bh w[NR];
+        for (int j = 0; j < NR; ++j) w[j] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(q + j * KB * 512 + r * 32));
+        for (int i = 0; i < MR; ++i) {
+          const __m512bh a = x_pair(X + i * K + kb * 32 + 2 * r);
+          for (int j = 0; j < NR; ++j) s[i][j] = _mm512_dpbf16_ps(s[i][j], a, w[j]);
+        }
       }
-    }
-    for (int j = 0; j < NR; ++j) {
-      const __m512 d = _mm512_loadu_ps(&panel.d[(j * KB + kb) * 16]);
-      const __m512 m = Type == Q4_1 ? _mm512_loadu_ps(&panel.m[(j * KB + kb) * 16]) : _mm512_setzero_ps();
-      for (int i = 0; i < MR; ++i) {
-        float* y = park + (i * NR + j) * 16;
-        __m512 v = _mm512_fmadd_ps(d, s[i][j], _mm512_load_ps(y));
-        if constexpr (Type == Q4_1) v = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[i * KB + kb]), v);
-        _mm512_store_ps(y, v);
+      for (int j = 0; j < NR; ++j) {
+        const __m512 d = _mm512_loadu_ps(&scales[(j * KB + kb) * 16]);
+        const __m512 m = HAS_MIN<Type> ? _mm512_loadu_ps(&panel.m[(j * KB + kb) * 16]) : _mm512_setzero_ps();
+        for (int i = 0; i < MR; ++i) {
+          float* y = park + (i * NR + j) * 16;
+          __m512 v = _mm512_fmadd_ps(d, s[i][j], _mm512_load_ps(y));
+          if constexpr (HAS_MIN<Type>) v = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[i * KB + kb]), v);
+          _mm512_store_ps(y, v);
+          s[i][j] = _mm512_setzero_ps();
+        }
       }
+    };
+    if constexpr (Type == Q6_K) {  // each half of the block its own scale: dims 0-15, then 16-31
+      pairs(0, 8, panel.d);
+      pairs(8, 16, panel.m);
+    } else {
+      pairs(0, 16, panel.d);
     }
   }
   store_rows<MR, NR>(O, N, n0, bias, [&](int i, int j) { return _mm512_load_ps(park + (i * NR + j) * 16); });
@@ -440,8 +467,8 @@ void q_gemm(at::Tensor& out, const at::Tensor& x, int64_t NB, const float* bias,
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1), KB = K / 32;
   const auto* X = x.data_ptr<c10::BFloat16>();
   auto* O = out.data_ptr<c10::BFloat16>();
-  const std::vector<float> xsum = Type == Q4_1 ? block_sums(X, M, K) : std::vector<float>();
-  const float* sums = Type == Q4_1 ? xsum.data() : nullptr;
+  const std::vector<float> xsum = HAS_MIN<Type> ? block_sums(X, M, K) : std::vector<float>();
+  const float* sums = HAS_MIN<Type> ? xsum.data() : nullptr;
   if (M <= QROWS) {  // groups of up to four rows, each through the few-row tiles
     at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
       for (int64_t m = 0; m < M; m += 4) {
@@ -647,10 +674,17 @@ template <typename Source>
 void tile_gemm(at::Tensor& out, const at::Tensor& x, int64_t NB, int64_t KB, const float* bias, Source& source,
                bool amx) {
 #ifdef ATOM_AMX_BF16
-  if (amx && amx_permitted()) return amx_gemm(out, x, NB, KB, bias, source);
+  if (amx && amx_permitted()) {
+    if constexpr (std::is_same_v<Source, QuantTiles>)
+      TORCH_CHECK(source.type == Q4_0 || source.type == Q4_1 || source.type == Q8_0,
+                  "tile_qlinear: K-quants' tiles run on the vector variant only (amx off)");
+    return amx_gemm(out, x, NB, KB, bias, source);
+  }
 #endif
   if constexpr (std::is_same_v<Source, QuantTiles>) {  // the blocks' chain (above)
     if (source.type == Q4_1) return q_gemm<Q4_1>(out, x, NB, bias, source);
+    if (source.type == Q4_K) return q_gemm<Q4_K>(out, x, NB, bias, source);
+    if (source.type == Q6_K) return q_gemm<Q6_K>(out, x, NB, bias, source);
     if (source.type == Q4_0) return q_gemm<Q4_0>(out, x, NB, bias, source);
     return q_gemm<Q8_0>(out, x, NB, bias, source);
   } else {
@@ -680,11 +714,13 @@ void tile_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& wp, con
 #endif
 }
 
-// the same with W as GGUF blocks of type `qtype` (Q4_0, Q4_1, Q8_0) packed as tiles [ceil(N/16)][K/32][bytes]
+// the same with W as GGUF blocks of type `qtype` (Q4_0, Q4_1, Q8_0; on the vector variant Q4_K and Q6_K too, as
+// sub-blocks with float32 scales) packed as tiles [ceil(N/16)][K/32][bytes]
 void tile_qlinear(at::Tensor& out, const at::Tensor& x, const at::Tensor& wq, int64_t qtype,
                   const c10::optional<at::Tensor>& bias, bool amx) {
 #ifdef ATOM_AVX512_BF16
-  TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0, "tile_qlinear: type ", qtype, " has no tiles");
+  TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0 || qtype == Q4_K || qtype == Q6_K, "tile_qlinear: type ",
+              qtype, " has no tiles");
   TORCH_CHECK(wq.dim() == 3 && wq.is_contiguous() && wq.scalar_type() == at::kByte && wq.size(2) == qtile_bytes(qtype),
               "tile_qlinear: the weight must be packed as tiles of type ", qtype);
   const at::Tensor b = check_linear("tile_qlinear", out, x, wq.size(0), wq.size(1), bias);
