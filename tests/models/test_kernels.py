@@ -614,14 +614,15 @@ OTHER_CPU_KINDS = {
     "x86-64-v3": "AVX2, no AVX512 (Zen 3)",
     "skylake-avx512": "AVX512, no BF16 or VNNI (Skylake Xeon; its VNNI branch builds natively on a Zen 4 or Xeon)",
     "cooperlake": "AVX512-BF16, no AMX (Zen 4/5)",
+    "sapphirerapids": "AMX, AVX512-BF16 and GFNI (Sapphire Rapids Xeon; GFNI as a Zen 4/5 has it)",
 }
 
 
 @functools.cache
 def branch_macros() -> frozenset[str]:
-    """The instruction-set macros the kernel sources test (``__AVX2__``, ``__AMX_TILE__``, ...)."""
+    """The instruction-set macros the kernel sources test (``__AVX2__``, ``__AMX_TILE__``, ``__GFNI__``, ...)."""
     return frozenset(
-        m for source in kernels.CSRC.iterdir() for m in re.findall(r"__(?:AVX|FMA|AMX)\w*__", source.read_text())
+        m for source in kernels.CSRC.iterdir() for m in re.findall(r"__(?:AVX|FMA|AMX|GFNI)\w*__", source.read_text())
     )
 
 
