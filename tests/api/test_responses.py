@@ -19,7 +19,12 @@ from support_servers import served_over_http
 
 from atom_anyio.api.app import AtomApp
 from atom_anyio.api.response_store import ResponseStore, StoredResponse
+from atom_anyio.api.responses import Responses, sse_frame
+from atom_anyio.api.responses_encoder import ResponseEncoder
+from atom_anyio.api.responses_schemas import ResponsesRequest
+from atom_anyio.api.sealed import Sealer
 from atom_anyio.config import Config
+from atom_anyio.prompt.prepare import prepare_prompt
 from atom_anyio.templates import template_path
 
 pytestmark = pytest.mark.anyio
@@ -594,3 +599,34 @@ async def test_sdk_max_output_tokens_gives_an_incomplete_response(sdk):
     assert events[-1].type == "response.incomplete"
     assert events[-1].response.incomplete_details.reason == "max_output_tokens"
     assert events[-1].response.output_text == plain.output_text
+
+
+async def test_a_malformed_call_streams_in_order_however_the_deltas_fall(atom):
+    """Many tokens to a delta (a verified draft's) can announce a call and prove it malformed at once:
+    at every pair of cut points the encoder's events keep the documented order, the call's item (closed
+    incomplete) first, then the message with its text, and the Response's output is the message alone.
+    Before the parser's ordered pieces some cuts put the call's arguments after its text."""
+    broken = '<tool_call>\n{"name": "get_weather", "arguments": {"city": }}\n</tool_call>'
+    rt = atom.runtime
+    api = Responses(rt, rt.responses_store, Sealer.of(rt.config.responses_seal_key))
+    body = {"model": rt.model_name, "input": "Weather?", "tools": [WEATHER_TOOL], **NO_THINKING}
+    request = ResponsesRequest.model_validate(body)
+    async with atom.quart.test_request_context("/v1/responses", method="POST"):  # the request's headers
+        turn = api.turn(request, frame=sse_frame)
+    prepared = prepare_prompt(turn.prompt, rt.prepare_ctx)
+    for i in range(1, len(broken)):
+        for j in range(i, len(broken) + 1, 7):
+            encoder = ResponseEncoder(rt, turn, prepared)
+            events = [
+                encoder._event(kind, response=encoder._response())
+                for kind in ("response.created", "response.in_progress")
+            ]
+            for part in (broken[:i], broken[i:j], broken[j:]):
+                events += encoder.text_events(part)
+            events += encoder.finish_events(is_cut=False)
+            encoder.status = "completed"
+            events += list(encoder._end_output())
+            events.append(encoder._event("response.completed", response=encoder._response()))
+            final = assert_documented_order(events)
+            assert [item["type"] for item in final["output"]] == ["message"], (i, j)
+            assert output_text(final) == broken, (i, j)

@@ -131,15 +131,13 @@ class ResponseEncoder:
         finish = None
         async with GenerationStream(stream, self.usage, 1) as deltas:
             async for d in deltas:
-                for pd in self.parser.feed_pieces(d.text):  # in the text's order
-                    for event in self._parsed(pd):
-                        yield event
+                for event in self.text_events(d.text):
+                    yield event
                 if self.open is not None and self.open["type"] == "reasoning":
                     self.num_reasoning_tokens += len(d.token_ids)
                 finish = d.finish_reason
-        for pd in self.parser.finish_pieces(is_cut=finish == "length"):
-            for event in self._parsed(pd):
-                yield event
+        for event in self.finish_events(is_cut=finish == "length"):
+            yield event
         self.status = "incomplete" if finish == "length" else "completed"
         for event in self._end_output():
             yield event
@@ -165,6 +163,16 @@ class ResponseEncoder:
         event = {"type": kind, "sequence_number": self.sequence_number, **fields}
         self.sequence_number += 1
         return event
+
+    def text_events(self, text: str) -> Iterator[Event]:
+        """The events of one engine text delta, in the text's order (the parser's pieces)."""
+        for pd in self.parser.feed_pieces(text):
+            yield from self._parsed(pd)
+
+    def finish_events(self, *, is_cut: bool) -> Iterator[Event]:
+        """The events of the output's end: what the parser held back, in order."""
+        for pd in self.parser.finish_pieces(is_cut=is_cut):
+            yield from self._parsed(pd)
 
     def _parsed(self, pd: ParsedDelta) -> Iterator[Event]:
         if pd.reasoning:
