@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
+import gguf
 import torch
 import torch.nn.functional as F
 
@@ -281,31 +282,34 @@ def k_quant_tiles(w: QuantizedWeight) -> torch.Tensor:
     column c's dims 2r, 2r+1), then the columns' 16 s = d sc and 16 m = -(dmin mn) as float32 (w = s q +
     m); Q6_K's q - 32 as Q8_0's int8, then 16 s = d sc of dims 0-15 and 16 of dims 16-31 (w = s q). The
     scales are exact products (an 11-bit d by a 6- or 8-bit scale), so the kernels' s q + m and s q round
-    as ``gguf.quants.dequantize`` does (ggml's dequantize_row_q4_K / q6_K)."""
+    as ``gguf.quants.dequantize`` does (ggml's dequantize_row_q4_K / q6_K); Q4_K's packed 6-bit scales
+    and mins are unpacked by gguf's own ``Q4_K.get_scale_min``."""
     n, k = w.shape
-    nb, sb = -(-n // 16), k // 256
-    bytes_ = w.data.view(n, sb, -1).to(torch.int32)
+    nb = -(-n // 16)
+    blocks = w.data.view(n * (k // 256), -1)  # a super-block a row
+
+    def halves(at: int) -> torch.Tensor:  # the float16 at byte `at` of each super-block, as float32 [rows, 1]
+        return blocks[:, at : at + 2].contiguous().view(torch.float16).float()
+
     if w.qtype == quant.Q.Q4_K:
-        d = w.data.view(n, sb, -1)[..., 0:2].contiguous().view(torch.float16).float()
-        dmin = w.data.view(n, sb, -1)[..., 2:4].contiguous().view(torch.float16).float()
-        sc6 = bytes_[..., 4:16]
-        j = torch.arange(4)
-        lo_sc, lo_mn = sc6[..., j] & 63, sc6[..., j + 4] & 63
-        hi_sc = (sc6[..., j + 8] & 0x0F) | ((sc6[..., j] >> 6) << 4)
-        hi_mn = (sc6[..., j + 8] >> 4) | ((sc6[..., j + 4] >> 6) << 4)
-        sc, mn = torch.cat((lo_sc, hi_sc), -1).float(), torch.cat((lo_mn, hi_mn), -1).float()  # [n, sb, 8]
-        scales = torch.stack((d * sc, -(dmin * mn)), -1)  # [n, sb, 8, 2]: s, m
-        qs = bytes_[..., 16:144].view(n, sb, 4, 32)  # bytes 32p..32p+31: sub-block 2p low, 2p + 1 high
-        q = torch.stack((qs & 0x0F, qs >> 4), 3).reshape(n, sb * 8, 32)
+        sc, mn = (
+            torch.from_numpy(a.astype("float32")) for a in gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16].numpy())
+        )
+        scales = torch.stack((halves(0) * sc, -(halves(2) * mn)), -1)  # [rows, 8 sub-blocks, s then m]
+        qs = blocks[:, 16:144].to(torch.int32).view(-1, 4, 32)  # bytes 32p..32p+31: sub-block 2p low, 2p + 1 high
+        q = torch.stack((qs & 0x0F, qs >> 4), 2)
     else:
-        d = w.data.view(n, sb, -1)[..., 208:210].contiguous().view(torch.float16).float()
-        sc = w.data.view(n, sb, -1)[..., 192:208].contiguous().view(torch.int8).float()  # per 16
-        scales = (d * sc).view(n, sb, 8, 2)  # [n, sb, 8, 2]: dims 0-15's s, dims 16-31's
-        ql, qh = bytes_[..., 0:128].view(n, sb, 2, 2, 32), bytes_[..., 128:192].view(n, sb, 2, 1, 32)
+        sc = blocks[:, 192:208].contiguous().view(torch.int8).float()  # per 16
+        scales = (halves(208) * sc).view(-1, 8, 2)  # [rows, 8 sub-blocks, dims 0-15's s then 16-31's]
+        ql, qh = (
+            blocks[:, 0:128].to(torch.int32).view(-1, 2, 2, 32),
+            blocks[:, 128:192].to(torch.int32).view(-1, 2, 1, 32),
+        )
         # sub-block j = 4h + t: ql byte 64h + 32 (t & 1) + i, nibble t >> 1; qh byte 32h + i, bits 2t
-        lo = torch.stack((ql & 0x0F, ql >> 4), 3).view(n, sb, 2, 4, 32)  # [.., h, 2 (t >> 1) + (t & 1), i]
-        hi = torch.stack([(qh >> (2 * t)) & 3 for t in range(4)], 3).view(n, sb, 2, 4, 32)
-        q = ((lo | (hi << 4)) - 32).reshape(n, sb * 8, 32)
+        lo = torch.stack((ql & 0x0F, ql >> 4), 2).view(-1, 2, 4, 32)  # [.., h, 2 (t >> 1) + (t & 1), i]
+        hi = torch.stack([(qh >> (2 * t)) & 3 for t in range(4)], 2).view(-1, 2, 4, 32)
+        q = (lo | (hi << 4)) - 32
+    q = q.reshape(n, -1, 32)
     kb = k // 32
     scales = scales.reshape(n, kb, 2)
     if n % 16:
@@ -341,8 +345,9 @@ def f32_tiles_cover(model: torch.nn.Module) -> bool:
 def pack_f32_tile_linears(model: torch.nn.Module) -> int:
     """Keep each float32 linear in the layout the float32 tile GEMM reads (qtile_f32.cpp: one FMA chain
     per output element at any row count, so batch-invariant by construction): GGUF blocks (Q4_0, Q4_1,
-    Q8_0, and Q4_K, Q6_K as sub-blocks with float32 scales; K a multiple of 32) as quantized tiles (``tile_qweight``; the layer's dense copy, then unread,
-    is dropped unless an embedding looks its rows up), a float32 matrix as panels (``tile_weight``,
+    Q8_0, and Q4_K, Q6_K as sub-blocks with float32 scales; K a multiple of 32) as quantized tiles
+    (``tile_qweight``; the layer's dense copy, then unread, is dropped unless an embedding looks its
+    rows up), a float32 matrix as panels (``tile_weight``,
     ``pack_f32_tile_weight``; the matrix stays, as bfloat16's tiles leave it). Returns the bytes the
     packed copies take."""
     looked_up = {id(m.weight) for m in model.modules() if isinstance(m, quant.QuantEmbedding)}
