@@ -284,9 +284,6 @@ inline __m512bh q_row(const uint8_t* tile, int r, const QIndex& c) {
   }
 }
 
-// K-quants (Q4_K, Q6_K) as sub-blocks of 32 with float32 scales (kernels.h, ops.k_quant_tiles)
-template <int64_t Type>
-constexpr bool K_TILES = Type == Q4_K || Type == Q6_K;
 // the types whose blocks add m times the block's sum of x
 template <int64_t Type>
 constexpr bool HAS_MIN = Type == Q4_1 || Type == Q4_K;
@@ -295,12 +292,13 @@ constexpr bool HAS_MIN = Type == Q4_1 || Type == Q4_K;
 // dims 0-15 (tile_d) and of dims 16-31 (tile_m)
 template <int64_t Type>
 inline __m512 tile_d(const uint8_t* tile) {
-  if constexpr (K_TILES<Type>) return _mm512_loadu_ps(reinterpret_cast<const float*>(tile + q_scales_at(Type)));
+  if constexpr (is_k_quant(Type))  // K-quants: sub-blocks of 32 with float32 scales (kernels.h)
+    return _mm512_loadu_ps(reinterpret_cast<const float*>(tile + q_scales_at(Type)));
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + q_scales_at(Type))));
 }
 template <int64_t Type>
 inline __m512 tile_m(const uint8_t* tile) {
-  if constexpr (K_TILES<Type>) return _mm512_loadu_ps(reinterpret_cast<const float*>(tile + q_scales_at(Type) + 64));
+  if constexpr (is_k_quant(Type)) return _mm512_loadu_ps(reinterpret_cast<const float*>(tile + q_scales_at(Type) + 64));
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + q_scales_at(Type) + 32)));
 }
 
@@ -676,8 +674,7 @@ void tile_gemm(at::Tensor& out, const at::Tensor& x, int64_t NB, int64_t KB, con
 #ifdef ATOM_AMX_BF16
   if (amx && amx_permitted()) {
     if constexpr (std::is_same_v<Source, QuantTiles>)
-      TORCH_CHECK(source.type == Q4_0 || source.type == Q4_1 || source.type == Q8_0,
-                  "tile_qlinear: K-quants' tiles run on the vector variant only (amx off)");
+      TORCH_CHECK(!is_k_quant(source.type), "tile_qlinear: K-quants' tiles run on the vector variant only (amx off)");
     return amx_gemm(out, x, NB, KB, bias, source);
   }
 #endif
@@ -719,8 +716,7 @@ void tile_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& wp, con
 void tile_qlinear(at::Tensor& out, const at::Tensor& x, const at::Tensor& wq, int64_t qtype,
                   const c10::optional<at::Tensor>& bias, bool amx) {
 #ifdef ATOM_AVX512_BF16
-  TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0 || qtype == Q4_K || qtype == Q6_K, "tile_qlinear: type ",
-              qtype, " has no tiles");
+  TORCH_CHECK(has_qtiles(qtype), "tile_qlinear: type ", qtype, " has no tiles");
   TORCH_CHECK(wq.dim() == 3 && wq.is_contiguous() && wq.scalar_type() == at::kByte && wq.size(2) == qtile_bytes(qtype),
               "tile_qlinear: the weight must be packed as tiles of type ", qtype);
   const at::Tensor b = check_linear("tile_qlinear", out, x, wq.size(0), wq.size(1), bias);

@@ -21,6 +21,10 @@ namespace atom {
 
 // the GGUF block types the kernels take (quant.cpp's GEMVs, gemm.cpp's tiles: Q4_0, Q4_1, Q8_0), by ggml's type ids
 enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
+// super-blocks of 256 (the K-quants), against the blocks of 32
+constexpr bool is_k_quant(int64_t type) { return type == Q4_K || type == Q6_K; }
+// the types packed as quantized tiles (below): every type the kernels take
+constexpr bool has_qtiles(int64_t type) { return type == Q4_0 || type == Q4_1 || type == Q8_0 || is_k_quant(type); }
 
 // a float16 stored at p (a block's d or m)
 inline float half_at(const uint8_t* p) {

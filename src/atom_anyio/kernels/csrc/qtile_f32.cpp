@@ -9,10 +9,10 @@
 //
 // Each output element is one chain whatever M is: a zeroed accumulator, fma(x[k], w[k], acc) for k
 // in order, then + bias (none without one), where w[k] is the reference's dequantized weight (quant.py:
-// d q + m, d (q - 8), d q; Q4_K's s q + m, Q6_K's s q, as gguf's dequantize rounds them), so batch-invariant by construction and the dense copy's GEMM to within
-// summation order. The portable twin computes the chain one element at a time (std::fma); the AVX2
-// variant (qtile_f32_avx2.h) eight columns to a register, its GEMV at 1-4 rows and its GEMM beyond
-// equal to the twin bit for bit. Where the CPU has AVX2 and no AVX512, float32 GGUF linears run here
+// d q + m, d (q - 8), d q; Q4_K's s q + m, Q6_K's s q, as gguf's dequantize rounds them), so
+// batch-invariant by construction and the dense copy's GEMM to within summation order. The portable
+// twin computes the chain one element at a time (std::fma); the AVX2 variant (qtile_f32_avx2.h) eight
+// columns to a register, its GEMV at 1-4 rows and its GEMM beyond equal to the twin bit for bit. Where the CPU has AVX2 and no AVX512, float32 GGUF linears run here
 // by default (models/loader.py): faster than MKL's GEMM over a dense copy at prefill sizes, no dense
 // copy in memory, and the same bits at every batch size (docs/engine.md, "Batch invariance").
 
@@ -38,21 +38,21 @@ inline float float_at(const uint8_t* p) {
   return f;
 }
 
+// column c's scale i of a tile: 0, its d (K-quants' s); 1, Q4_1's or Q4_K's m, Q6_K's s of dims 16-31
+inline float tile_scale(int64_t type, const uint8_t* tile, int c, int i) {
+  const uint8_t* s = tile + q_scales_at(type);
+  return is_k_quant(type) ? float_at(s + 64 * i + 4 * c) : half_at(s + 32 * i + 2 * c);
+}
+
 // column c's weight at dim k (0-31) of a tile, as the reference dequantizes it
 inline float tile_weight(int64_t type, const uint8_t* tile, int c, int k) {
   const int r = k / 2, t = k % 2;
-  const uint8_t* s = tile + q_scales_at(type);
-  if (type == Q6_K) return float_at(s + (k < 16 ? 0 : 64) + 4 * c) * float(int8_t(tile[r * 32 + 2 * c + t]));
-  if (type == Q4_K) {  // s q is exact (a 17-bit s by a 4-bit q), then one rounding as the reference's
-    const int q = t ? tile[r * 16 + c] >> 4 : tile[r * 16 + c] & 15;
-    return float_at(s + 4 * c) * float(q) + float_at(s + 64 + 4 * c);
-  }
-  const float d = half_at(s + 2 * c);
-  if (type == Q8_0) return d * float(int8_t(tile[r * 32 + 2 * c + t]));
+  if (type == Q8_0 || type == Q6_K)  // int8 weights
+    return tile_scale(type, tile, c, type == Q6_K && k >= 16) * float(int8_t(tile[r * 32 + 2 * c + t]));
   const int q = t ? tile[r * 16 + c] >> 4 : tile[r * 16 + c] & 15;
-  if (type == Q4_0) return d * float(q - 8);
-  const float dq = d * float(q);  // exact (an 11-bit d by a 4-bit q), then one rounding as the reference's
-  return dq + half_at(s + 32 + 2 * c);
+  if (type == Q4_0) return tile_scale(type, tile, c, 0) * float(q - 8);
+  // d q is exact (an 11- or 17-bit scale by a 4-bit q), then one rounding as the reference's
+  return tile_scale(type, tile, c, 0) * float(q) + tile_scale(type, tile, c, 1);
 }
 
 void portable(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t KB, int64_t tb, int64_t type,
@@ -103,8 +103,7 @@ namespace atom::op {
 // `native`: the AVX2 variant where the build has it, else (and with native=false) the portable twin
 void tile_qlinear_f32(at::Tensor& out, const at::Tensor& x, const at::Tensor& wq, int64_t qtype,
                       const c10::optional<at::Tensor>& bias, bool native) {
-  TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0 || qtype == Q4_K || qtype == Q6_K, "tile_qlinear_f32: type ",
-              qtype, " has no tiles");
+  TORCH_CHECK(has_qtiles(qtype), "tile_qlinear_f32: type ", qtype, " has no tiles");
   TORCH_CHECK(wq.dim() == 3 && wq.is_contiguous() && wq.scalar_type() == at::kByte && wq.size(2) == qtile_bytes(qtype),
               "tile_qlinear_f32: the weight must be packed as tiles of type ", qtype);
   const at::Tensor b = checked_bias("tile_qlinear_f32", out, x, wq.size(0), wq.size(1) * 32, bias);

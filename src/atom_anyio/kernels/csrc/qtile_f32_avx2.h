@@ -43,7 +43,7 @@ template <int64_t Type>
 inline Scales tile_scales(const uint8_t* tile) {
   const uint8_t* s = tile + q_scales_at(Type);
   Scales sc;
-  if constexpr (Type == Q4_K || Type == Q6_K) {  // float32: s and m (Q4_K), or the two halves' s (Q6_K)
+  if constexpr (is_k_quant(Type)) {  // float32: s and m (Q4_K), or the two halves' s (Q6_K)
     const float* f = reinterpret_cast<const float*>(s);
     for (int h = 0; h < 2; ++h) sc.d[h] = _mm256_loadu_ps(f + 8 * h), sc.m[h] = _mm256_loadu_ps(f + 16 + 8 * h);
     return sc;

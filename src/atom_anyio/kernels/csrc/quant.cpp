@@ -39,8 +39,6 @@ using namespace atom;
 constexpr int QK = 32;    // weights per block (per sub-block of a K-quant)
 constexpr int QKK = 256;  // weights per K-quant super-block
 
-constexpr bool is_k_quant(int64_t type) { return type == Q4_K || type == Q6_K; }
-
 inline int64_t block_bytes(int64_t type) {
   switch (type) {
     case Q4_0: return 18;
