@@ -9,9 +9,10 @@ and a prefix hit there is copied back into the pool instead of recomputed (vLLM'
     admit() takes a pool block   -> load(slot)       loads: tier slot -> pool block
     schedule() ends -> take_transfers() -> StepInput.kv_saves / kv_loads
 
-On the CPU, where the pool already is host memory, the tier is a file on local disk mapped into
-memory (its space reserved up front, so a full disk never faults a write): the page cache holds
-what fits and the disk the rest, so capacity goes past RAM. On a GPU it is pinned host memory.
+On the CPU, where the pool already is host memory, the tier is a file on local disk, written
+from the pool and read back into it by ``pwritev``/``preadv`` (its space reserved up front): the
+page cache holds what fits and the disk the rest, so capacity goes past RAM, and none of it is the
+process's memory. On a GPU it is pinned host memory.
 The copies are whole blocks, a few hundred KB each (SmolLM2 in bfloat16: 368 KiB), run by the
 worker at the start of the step that needs them: a step's saves first (a block is saved before
 the forward, or a load, writes it), then its loads. A slot a load reads is not reused before that
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import weakref
 from array import array
 from collections import OrderedDict
 
@@ -121,42 +123,107 @@ class TierIndex:
 
 
 class TierStore:
-    """The tier's bytes: ``num_slots`` blocks laid out as the pool's (layers, K/V, block_size
-    tokens, KV heads, head dim) in one tensor, and the copies a step asks for. Lives with the worker."""
+    """The tier's bytes, ``num_slots`` blocks, and the copies a step asks for. Lives with the worker.
+
+    On a GPU the slots are one pinned host tensor laid out as the pool's blocks (layers, K/V,
+    block_size tokens, KV heads, head dim). On the CPU they are slots of a file on local disk
+    (``TierFile``), each written from the pool's memory and read back into it by one system call."""
 
     def __init__(self, num_slots: int, pool: torch.Tensor, block_size: int, directory: str | None = None):
         layers, kv, _, heads, dim = pool.shape
-        shape = (num_slots, layers, kv, block_size, heads, dim)
         self.block_size = block_size
+        self.dtype = pool.dtype
+        self.slots: torch.Tensor | None = None
+        self.file: TierFile | None = None
         if tier_medium(pool.device) == MEDIUM_CPU:
+            shape = (num_slots, layers, kv, block_size, heads, dim)
             self.slots = torch.empty(shape, dtype=pool.dtype, pin_memory=True)
         else:
-            self.slots = mapped_file(shape, pool.dtype, directory)
+            self.file = TierFile(num_slots, pool, block_size, directory)
 
     def transfer(self, pool: torch.Tensor, saves: list[tuple[int, int]], loads: list[tuple[int, int]]) -> None:
         """A step's saves (pool block -> slot), then its loads (slot -> pool block)."""
+        if self.file is not None:
+            for block_id, slot in saves:
+                self.file.save(block_id, slot)
+            for slot, block_id in loads:
+                self.file.load(slot, block_id)
+            return
         bs = self.block_size
         for block_id, slot in saves:
             self.slots[slot].copy_(pool[:, :, block_id * bs : (block_id + 1) * bs], non_blocking=True)
-        if saves and pool.device.type == "cuda":
+        if saves:
             torch.cuda.current_stream(pool.device).synchronize()  # the host copy is read by a later load
         for slot, block_id in loads:
             pool[:, :, block_id * bs : (block_id + 1) * bs].copy_(self.slots[slot], non_blocking=True)
 
 
-def mapped_file(shape: tuple[int, ...], dtype: torch.dtype, directory: str | None) -> torch.Tensor:
-    """A tensor backed by a new file in ``directory`` (the system's temp dir by default), its
-    space reserved (a write into a sparse file on a full disk would kill the process with SIGBUS)
+class TierFile:
+    """The CPU's tier: a file on local disk (``directory``, the system's temp dir by default) of
+    ``num_slots`` slots of one block each, as the pool lays a block out (layer by layer, K then V:
+    ``layers * 2`` runs of ``block_size`` tokens). A save is one ``pwritev`` from the pool's memory,
+    a load one ``preadv`` into it: the kernel's copy and nothing else, the GIL released. The file's
+    pages live in the page cache, where the kernel writes them back and drops them under memory
+    pressure, and are not the process's: its RSS does not grow as the tier fills (a mapped file's
+    pages counted in it once touched: 29.6% over a 20-minute run with a 4 GiB tier, 2026-12-07).
+    Its space is reserved up front (a write past a full disk fails here, not at some later step)
     and its name unlinked at once: it goes with the process, however that ends."""
-    nbytes = torch.Size(shape).numel() * torch.finfo(dtype).bits // 8
-    fd, path = tempfile.mkstemp(prefix="atom-kv-tier-", dir=directory)
-    try:
-        os.posix_fallocate(fd, 0, nbytes)
-        flat = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
-    finally:
-        os.close(fd)
-        os.unlink(path)
-    return flat.view(dtype).view(shape)
+
+    def __init__(self, num_slots: int, pool: torch.Tensor, block_size: int, directory: str | None):
+        if pool.device.type != "cpu" or not pool.is_contiguous():
+            raise ValueError("the tier file copies a contiguous CPU pool")
+        layers, kv, num_tokens, _, _ = pool.shape
+        self.num_runs = layers * kv  # a block's runs in the pool, one per layer and K/V
+        self.run_bytes = pool[0, 0, :block_size].numel() * pool.element_size()
+        self.run_stride = num_tokens * self.run_bytes // block_size  # from one layer's (or K/V's) run to the next
+        self.block_bytes = self.num_runs * self.run_bytes
+        if self.num_runs > os.sysconf("SC_IOV_MAX"):
+            raise ValueError(f"a block's {self.num_runs} runs exceed the system's IOV_MAX")
+        self.pool = pool  # kept: the memoryview below points into it
+        self.memory = memoryview(pool.view(-1).view(torch.uint8).numpy())
+        fd, path = tempfile.mkstemp(prefix="atom-kv-tier-", dir=directory)
+        try:
+            os.posix_fallocate(fd, 0, num_slots * self.block_bytes)
+        except BaseException:
+            os.close(fd)
+            raise
+        finally:
+            os.unlink(path)
+        self.fd = fd
+        self._close = weakref.finalize(self, os.close, fd)
+
+    def runs(self, block_id: int) -> list[memoryview]:
+        """Pool block ``block_id``'s bytes, run by run."""
+        start = block_id * self.run_bytes
+        return [
+            self.memory[o : o + self.run_bytes]
+            for o in range(start, start + self.num_runs * self.run_stride, self.run_stride)
+        ]
+
+    def save(self, block_id: int, slot: int) -> None:
+        whole(os.pwritev, self.fd, self.runs(block_id), slot * self.block_bytes)
+
+    def load(self, slot: int, block_id: int) -> None:
+        whole(os.preadv, self.fd, self.runs(block_id), slot * self.block_bytes)
+
+
+def whole(op, fd: int, buffers: list[memoryview], offset: int) -> None:
+    """``op`` (``os.pwritev`` or ``os.preadv``) until every byte of ``buffers`` is done: a regular
+    file's I/O can stop short (a signal), and a read that reaches the file's end is an error."""
+    total = sum(len(b) for b in buffers)
+    done = op(fd, buffers, offset)
+    while done < total:
+        skip, rest = done, []
+        for b in buffers:
+            if skip >= len(b):
+                skip -= len(b)
+            else:
+                rest.append(b[skip:])
+                skip = 0
+        n = op(fd, rest, offset + done)
+        if n == 0:
+            raise OSError(f"the KV tier file stopped at byte {offset + done}")
+        done += n
 
 
 def num_tier_slots(size_gib: float, bytes_per_block: int) -> int:
