@@ -225,6 +225,19 @@ def rss_bytes(pid: int | None) -> int | None:
         return None
 
 
+def anon_bytes(pid: int | None) -> int | None:
+    """The part of ``rss_bytes`` that is anonymous memory (Linux: RSS less its file and shared
+    pages): what a leak grows, without a mapped file's pages (the model's weights)."""
+    if pid is None:
+        return None
+    try:
+        procs = [psutil.Process(pid)]
+        procs += procs[0].children(recursive=True)
+        return sum(m.rss - m.shared for m in (p.memory_info() for p in procs))
+    except (psutil.Error, AttributeError):  # AttributeError: no ``shared`` off Linux
+        return None
+
+
 # /metrics
 
 
@@ -300,6 +313,7 @@ class Windowed:
     window_s: float
     start: float
     rss: dict[int, list[int]] = field(default_factory=dict)
+    anon: dict[int, list[int]] = field(default_factory=dict)
     scrapes: dict[int, list[Scrape]] = field(default_factory=dict)
     baseline: Scrape | None = None
 
@@ -311,6 +325,7 @@ class Windowed:
         scrapes = self.scrapes.get(i, [])
         prev = next((self.scrapes[j][-1] for j in range(i - 1, -1, -1) if self.scrapes.get(j)), self.baseline)
         row: dict = {"rss_mib": self.rss[i][-1] / 2**20 if self.rss.get(i) else None}
+        row["anon_mib"] = self.anon[i][-1] / 2**20 if self.anon.get(i) else None
         running = [s.running for s in scrapes if s.running is not None]
         row["running_mean"] = sum(running) / len(running) if running else None
         row["metrics_p50_ms"] = 1000 * percentile([s.seconds for s in scrapes], 0.5) if scrapes else None
@@ -334,6 +349,8 @@ async def sample_server(client: httpx.AsyncClient, target: Target, w: Windowed, 
         i = w.index(time.monotonic())
         if (rss := rss_bytes(target.pid)) is not None:
             w.rss.setdefault(i, []).append(rss)
+        if (anon := anon_bytes(target.pid)) is not None:
+            w.anon.setdefault(i, []).append(anon)
         if (s := await scrape(client, target.url)) is not None:
             w.scrapes.setdefault(w.index(s.t), []).append(s)
 
@@ -559,6 +576,7 @@ COLUMNS = [
     ("prompt tok", "mean_prompt_tokens", "{:.0f}"),
     ("running", "running_mean", "{:.1f}"),
     ("RSS MiB", "rss_mib", "{:.0f}"),
+    ("anon MiB", "anon_mib", "{:.0f}"),
     ("lag p99 ms", "lag_p99_ms", "{:.1f}"),
     ("step p99 ms", "step_p99_ms", "{:.0f}"),
     ("copy p99 ms", "tier_copy_p99_ms", "{:.1f}"),
@@ -608,6 +626,7 @@ def first_last(rows: list[dict]) -> dict:
         "lag_p99_ms_max": max(lags) if lags else None,
         "step_p99_ms_max": max(steps) if steps else None,
         "rss_growth_pct": _pct(last["rss_mib"], first["rss_mib"]),
+        "anon_growth_pct": _pct(last.get("anon_mib"), first.get("anon_mib")),
     }
 
 

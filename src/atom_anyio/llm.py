@@ -19,6 +19,7 @@ from atom_anyio.engine.stream import ChoiceDelta, Logprob, collect
 from atom_anyio.models.loader import LoadedModel, load_planned
 from atom_anyio.models.plan import plan_model
 from atom_anyio.obs.logging import log_to_stderr_by_default
+from atom_anyio.obs.loop_health import release_freed_memory
 from atom_anyio.prompt.prepare import PrepareContext, PromptRequest, prepare_prompt
 from atom_anyio.sampling_params import SamplingParams
 
@@ -93,6 +94,7 @@ class LLM:
         self.prepare_ctx = PrepareContext.for_engine(
             self.engine, self.tokenizer, chat_template=self.loaded.chat_template
         )
+        release_freed_memory()  # what loading freed goes back to the system
 
     def generate(
         self,

@@ -36,7 +36,15 @@ from atom_anyio.engine.stream import RequestStream
 from atom_anyio.generation_defaults import overridden
 from atom_anyio.models.loader import LoadedModel, load_planned
 from atom_anyio.models.plan import ModelPlan, plan_model
-from atom_anyio.obs.loop_health import GCTimer, freeze_heap, limit_malloc_arenas, monitor_loop_lag, thaw_heap
+from atom_anyio.obs.loop_health import (
+    GCTimer,
+    anonymous_rss_bytes,
+    freeze_heap,
+    limit_malloc_arenas,
+    monitor_loop_lag,
+    release_freed_memory,
+    thaw_heap,
+)
 from atom_anyio.obs.metrics import Metrics
 from atom_anyio.parse import ParserSpec
 from atom_anyio.prompt.prepare import PrepareContext, PreparedPrompt, PromptError, PromptRequest, prepare_prompt
@@ -275,6 +283,7 @@ async def serving(
         with _phase("engine.warmed_up"):
             await _warm_up(runtime)
         freeze_heap()
+        _release_freed_memory()
         gc_timer.install()
         tg.start_soon(monitor_loop_lag, metrics.loop_lag)
         runtime.is_admitting = True
@@ -288,6 +297,16 @@ async def serving(
             thaw_heap()
             grammars.close()
             tg.cancel_scope.cancel()
+
+
+def _release_freed_memory() -> None:
+    """What loading and warming up freed goes back to the system, and the log says how much."""
+    before = anonymous_rss_bytes()
+    if release_freed_memory():
+        after = anonymous_rss_bytes()
+        known = before is not None and after is not None
+        mib = {"rss_anon_mib": round(after / 2**20), "released_mib": round((before - after) / 2**20)} if known else {}
+        log.info("malloc.trimmed", **mib)
 
 
 class _phase:
