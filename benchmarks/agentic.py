@@ -253,6 +253,9 @@ class Scrape:
     copy_buckets: list[tuple[float, float]] = field(default_factory=list)  # atom_kv_tier_copy_seconds
     gc2_sum: float | None = None
     running: float | None = None
+    tier_used: float | None = None  # atom_kv_tier_blocks_used (a tier on)
+    tier_total: float | None = None  # atom_kv_tier_blocks_total
+    tier_saved: float | None = None  # atom_kv_tier_saved_blocks: blocks the pool evicted into the tier
 
 
 def parse_scrape(t: float, seconds: float, body: str) -> Scrape:
@@ -271,6 +274,12 @@ def parse_scrape(t: float, seconds: float, body: str) -> Scrape:
                 s.gc2_sum = sample.value
             elif sample.name in ("atom_requests_running", "vllm:num_requests_running"):
                 s.running = (s.running or 0.0) + sample.value
+            elif sample.name == "atom_kv_tier_blocks_used":
+                s.tier_used = sample.value
+            elif sample.name == "atom_kv_tier_blocks_total":
+                s.tier_total = sample.value
+            elif sample.name == "atom_kv_tier_saved_blocks_total":
+                s.tier_saved = sample.value
     s.lag_buckets.sort()
     s.step_buckets.sort()
     s.copy_buckets.sort()
@@ -337,6 +346,10 @@ class Windowed:
         for key, buckets in (("step_p99_ms", "step_buckets"), ("tier_copy_p99_ms", "copy_buckets")):
             q = histogram_quantile(0.99, getattr(prev, buckets), getattr(last, buckets)) if ok else None
             row[key] = 1000 * q if q is not None else None
+        tier = last is not None and last.tier_used is not None and last.tier_total
+        row["tier_used_pct"] = 100 * last.tier_used / last.tier_total if tier else None
+        has_tier = ok and last.tier_saved is not None and prev.tier_saved is not None
+        row["tier_saved_blocks"] = int(last.tier_saved - prev.tier_saved) if has_tier else None
         has_gc = ok and last.gc2_sum is not None and prev.gc2_sum is not None
         row["gc2_share_pct"] = 100 * (last.gc2_sum - prev.gc2_sum) / (last.t - prev.t) if has_gc else None
         return row
@@ -580,6 +593,8 @@ COLUMNS = [
     ("lag p99 ms", "lag_p99_ms", "{:.1f}"),
     ("step p99 ms", "step_p99_ms", "{:.0f}"),
     ("copy p99 ms", "tier_copy_p99_ms", "{:.1f}"),
+    ("tier used %", "tier_used_pct", "{:.0f}"),
+    ("tier saves", "tier_saved_blocks", "{:d}"),
     ("gen2 GC %", "gc2_share_pct", "{:.3f}"),
     ("errors", "errors", "{:d}"),
 ]
