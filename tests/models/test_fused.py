@@ -122,7 +122,9 @@ def test_fused_step_equals_the_op_by_op_path_in_float32(variant, step):
     assert_same(random_model(**VARIANTS[variant]), step)
 
 
-@pytest.mark.skipif(kernels.f32_tile_linears_reason() is None, reason="the float32 tiles: an AVX2-only CPU's")
+@pytest.mark.skipif(
+    kernels.f32_tile_linears_reason() is None, reason="the float32 tiles: an AVX2-only or AMD AVX512 CPU's"
+)
 @pytest.mark.parametrize("step", list(STEPS))
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_fused_step_equals_the_op_by_op_path_on_the_float32_panels(variant, step):
@@ -201,7 +203,9 @@ def test_fused_step_equals_the_op_by_op_path_with_quantized_weights(tiny_ggufs, 
     assert_same(model, step)
 
 
-@pytest.mark.skipif(kernels.f32_tile_linears_reason() is None, reason="the float32 tiles: an AVX2-only CPU's")
+@pytest.mark.skipif(
+    kernels.f32_tile_linears_reason() is None, reason="the float32 tiles: an AVX2-only or AMD AVX512 CPU's"
+)
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("step", ["one decode", "six decodes", "decodes and a chunk over a cached prefix"])
 def test_fused_step_equals_the_op_by_op_path_on_the_float32_tiles(tiny_ggufs, qtype, step):

@@ -236,7 +236,8 @@ needs_chain = pytest.mark.skipif(
     not kernels.has_tile_linears() or kernels.has_amx_linears(), reason="the blocks' chain: AVX512-BF16 without AMX"
 )
 needs_f32_tiles = pytest.mark.skipif(
-    kernels.f32_tile_linears_reason() is None, reason="the float32 tiles: an AVX2-only CPU's (ATOM_KERNEL_ISA=avx2)"
+    kernels.f32_tile_linears_reason() is None,
+    reason="the float32 tiles: an AVX2-only CPU's (ATOM_KERNEL_ISA=avx2) or an AMD CPU's with AVX512",
 )
 # every layout a CPU's auto picks, on the head_dim-16 model; the bfloat16 ones again with heads 64
 # wide, where a CPU with AMX runs the attention and the linears on its tiles, and there at the
@@ -251,6 +252,8 @@ END_TO_END = (
     # K-quants at the default where the float32 tiles take them (an AVX2-only CPU), and where the blocks'
     # chain does (AVX512-BF16 without AMX)
     + [pytest.param("float32+both", "wide_q4_k", None, id="float32+both-q4_k-auto", marks=needs_f32_tiles)]
+    # float32 matrices at the default where the float32 tiles take them (as panels that replace them)
+    + [pytest.param("float32+dequantize", "wide_gguf", None, id="float32+dequantize-auto", marks=needs_f32_tiles)]
     + [pytest.param("bfloat16+packed", "wide_q4_k", None, id="bfloat16+packed-q4_k-auto", marks=needs_chain)]
 )
 
@@ -269,6 +272,11 @@ def test_a_sequences_logits_do_not_depend_on_batch_chunks_cache_or_async(request
     assert (plan.batch_invariant_why == "requested") == (setting is not None)
     if dtype == "float32":  # every linear on the GEMV's arithmetic at any row count: fused too, no dense copy
         assert plan.fused_decoder and not plan.dense_copies
+    if plan.tile_linears and dtype == "float32":  # a float32 matrix on panels is gone (meta: no memory)
+        model = whole.engine.worker.model
+        on_panels = [m for m in model.modules() if getattr(m, "tile_weight", None) is not None]
+        assert all(m.weight.device.type == "meta" for m in on_panels)
+        assert bool(on_panels) == (gguf_weights == "dequantize")
     if model == "wide_gguf" and kernels.has_amx_linears():  # the tiles run it here
         assert backend.on_amx_tiles
         assert all(m.tile_weight is not None for m in whole.engine.worker.model.modules() if hasattr(m, "tile_weight"))
@@ -303,19 +311,21 @@ FLOAT32_TILES = "float32 tiles"  # over the float32 tile GEMM (kernels.f32_tile_
         pytest.param("bfloat16+packed", "wide_q4_k", {}, "vector tiles without AMX", id="k-quant-blocks"),
         # heads 16 wide: the AMX attention does not take them; the vector variant's does
         pytest.param("bfloat16+both", "tiny_gguf", {}, "vector tiles without AMX", id="heads-16-wide"),
-        # float32: on where the float32 tiles take every linear (an AVX2-only CPU; K-quants too), else off
+        # float32: on where the float32 tiles take every linear (an AVX2-only CPU, an AMD CPU with AVX512;
+        # GGUF blocks, K-quants too, or float32 matrices as panels), else off
         pytest.param("float32+both", "wide_gguf", {}, FLOAT32_TILES, id="float32"),
         pytest.param("float32+both", "wide_q4_k", {}, FLOAT32_TILES, id="float32-k-quants"),
+        pytest.param("float32+dequantize", "wide_gguf", {}, FLOAT32_TILES, id="float32-matrices"),
     ],
 )
 def test_auto_turns_batch_invariance_on_only_where_it_costs_nothing(request, caplog, combination, model, engine, on):
     """At the default, invariance is on where every linear runs on the tile GEMM and the attention's
     invariant form costs nothing: bfloat16 on a CPU with AMX (the AMX GEMM, the attention on the
     tiles, heads it takes), or with AVX512-BF16 and no AMX (or cpu_amx off: the vector variant, GGUF
-    blocks in the blocks' chain), and float32 on an AVX2-only CPU (every linear on the float32 tiles);
-    off wherever the GEMMs or the attention would pay for it: native kernels off, blocks the tile
-    GEMMs have no tiles for (the GEMV), float32 on a CPU with AVX512, bfloat16 on a CPU without
-    AVX512-BF16. The plan says which, and why, in one line."""
+    blocks in the blocks' chain), and float32 on an AVX2-only CPU or an AMD CPU with AVX512 (every
+    linear on the float32 tiles); off wherever the GEMMs or the attention would pay for it: native
+    kernels off, blocks the tile GEMMs have no tiles for (the GEMV), float32 on Intel's AVX512 CPUs,
+    bfloat16 on a CPU without AVX512-BF16. The plan says which, and why, in one line."""
     dtype, gguf_weights = CPU_COMBINATIONS[combination]
     if on == VECTOR_TILES:
         on = kernels.has_tile_linears()
@@ -328,7 +338,7 @@ def test_auto_turns_batch_invariance_on_only_where_it_costs_nothing(request, cap
     backend, plan = llm.engine.worker.model.attention_backend, llm.loaded.plan
     assert backend.batch_invariant == plan.batch_invariant == on
     why = ("bfloat16 on AMX" if backend.on_amx_tiles else "bfloat16 on AVX512-BF16") if on else "auto: off"
-    why = "float32 on an AVX2-only CPU" if on and dtype == "float32" else why
+    why = (kernels.f32_tile_linears_reason() or "").partition(":")[0] if on and dtype == "float32" else why
     assert plan.batch_invariant_why.startswith(why)
     assert backend.paged_prefill == (on or backend.name == "cpu_paged")
     assert llm.generate([TARGET[:40]], SamplingParams(max_tokens=2))[0].outputs[0].finish_reason == "length"

@@ -171,14 +171,35 @@ def avx2_only() -> bool:
     return "avx512f" not in flags and {"avx2", "fma"} <= flags
 
 
+def cpu_vendor() -> str:
+    """The first processor's ``vendor_id`` (``AuthenticAMD``, ``GenuineIntel``), or ``""``."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def f32_tile_linears_reason() -> str | None:
     """Why float32 linears (GGUF blocks, float32 matrices) run on the float32 tile GEMM here
-    (qtile_f32.cpp: one FMA chain per output element, batch-invariant), or None: an AVX2-only CPU (AMD
-    Zen 3, or ``ATOM_KERNEL_ISA=avx2``) where the build has it. Measured there (docs/engine.md): level
-    with or faster than MKL's GEMM at prefill sizes; over blocks 1.3-1.5x the int16 GEMV at one row."""
-    if not avx2_only() or "linear_f32_avx2" not in native_kernels():
+    (qtile_f32.cpp: one FMA chain per output element, batch-invariant), or None. Where the build has
+    it (its AVX2 variant) and it is measured level with or faster than the float32 default (MKL's
+    GEMM, the project's GEMVs): an AVX2-only CPU (AMD Zen 3, or ``ATOM_KERNEL_ISA=avx2``; over blocks
+    level with MKL at prefill sizes, 1.3-1.5x the int16 GEMV at one row), and an AMD CPU with AVX512
+    (a Zen 4, whose 512-bit FMAs run as two 256-bit halves, and where MKL's float GEMM is no faster
+    than on AVX2: SmolLM2's linears as float32 panels 0.58x the default's time at one row and 16,
+    0.75x at 64, 0.92x at 555; docs/engine.md). Not on Intel's AVX512 CPUs, where MKL's 512-bit GEMM
+    has twice an AVX2 kernel's FMAs (not measured there)."""
+    if "linear_f32_avx2" not in native_kernels():
         return None
-    return "float32 on an AVX2-only CPU: the linears on the float32 tile GEMM"
+    if avx2_only():
+        return "float32 on an AVX2-only CPU: the linears on the float32 tile GEMM"
+    if cpu_vendor() == "AuthenticAMD" and {"avx2", "fma"} <= set(cpu_flags().split()):
+        return "float32 on an AMD CPU with AVX512: the linears on the float32 tile GEMM"
+    return None
 
 
 @functools.cache

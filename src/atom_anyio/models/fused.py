@@ -44,7 +44,7 @@ def build(model: nn.Module) -> tuple[torch.ScriptObject | None, str | None]:
         return None, "tensor parallelism"
     if cfg.moe is not None:
         return None, "mixture-of-experts layers"
-    if any(p.device.type != "cpu" for p in model.parameters()):
+    if any(p.device.type not in ("cpu", "meta") for p in model.parameters()):  # meta: a matrix packed into panels
         return None, "weights off the CPU"
     bfloat16 = any(p.dtype != torch.float32 for p in model.parameters())
     if invariant and bfloat16 and not all(on_tiles(m) for m in _linears(model)):

@@ -335,11 +335,22 @@ def f32_tileable(w) -> bool:
 
 
 def f32_tiles_cover(model: torch.nn.Module) -> bool:
-    """Whether every linear of the model is GGUF blocks the float32 tile GEMM takes (``f32_tileable``):
-    where auto turns invariance on over them. A float32 matrix's panels run where invariance is asked
-    for; auto leaves such models as they were (not measured beyond the benchmarks' tiny model)."""
+    """Whether every linear of the model is a weight the float32 tile GEMM takes (``f32_tileable``:
+    GGUF blocks, or float32 matrices) but a float32 head that the embedding shares, which stays a
+    matrix on the float32 GEMV (invariant as it is): where auto turns invariance on over them."""
+    candidates = _tile_candidates(model, embedding_weights(model))
+    return bool(candidates) and all(f32_tileable(m.weight) for m in candidates)
+
+
+def embedding_weights(model: torch.nn.Module) -> set[int]:
+    """``id``s of the weights an embedding looks rows up in (a tied head's too)."""
+    return {id(m.weight) for m in model.modules() if isinstance(m, quant.QuantEmbedding | torch.nn.Embedding)}
+
+
+def _tile_candidates(model: torch.nn.Module, looked_up: set[int]) -> list[torch.nn.Module]:
+    """The linears the float32 tile GEMM would take: all but a float32 matrix an embedding shares."""
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear | quant.QuantLinear)]
-    return bool(linears) and all(isinstance(m.weight, QuantizedWeight) and f32_tileable(m.weight) for m in linears)
+    return [m for m in linears if isinstance(m.weight, QuantizedWeight) or id(m.weight) not in looked_up]
 
 
 def pack_f32_tile_linears(model: torch.nn.Module) -> int:
@@ -347,19 +358,22 @@ def pack_f32_tile_linears(model: torch.nn.Module) -> int:
     per output element at any row count, so batch-invariant by construction): GGUF blocks (Q4_0, Q4_1,
     Q8_0, and Q4_K, Q6_K as sub-blocks with float32 scales; K a multiple of 32) as quantized tiles
     (``tile_qweight``; the layer's dense copy, then unread, is dropped unless an embedding looks its
-    rows up), a float32 matrix as panels (``tile_weight``,
-    ``pack_f32_tile_weight``; the matrix stays, as bfloat16's tiles leave it). Returns the bytes the
+    rows up), a float32 matrix as panels (``tile_weight``, ``pack_f32_tile_weight``) that replace it:
+    the matrix becomes a meta tensor (its shape and dtype, no memory; reading it fails loudly), so
+    the panels cost no memory beside it. A float32 head that the embedding shares stays a matrix
+    (the embedding reads its rows; the float32 GEMV runs it, invariant too). Returns the bytes the
     packed copies take."""
-    looked_up = {id(m.weight) for m in model.modules() if isinstance(m, quant.QuantEmbedding)}
+    looked_up = embedding_weights(model)
     num_bytes = 0
-    for m in model.modules():
-        w = getattr(m, "weight", None) if isinstance(m, torch.nn.Linear | quant.QuantLinear) else None
+    for m in _tile_candidates(model, looked_up):
+        w = m.weight
         if not f32_tileable(w):
             continue
         m.tile_amx = False
         if not isinstance(w, QuantizedWeight):
             m.tile_weight = pack_f32_tile_weight(w.detach())
             num_bytes += m.tile_weight.nbytes
+            m.weight = torch.nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
             continue
         m.tile_qweight = pack_tile_qweight(w)
         num_bytes += m.tile_qweight.nbytes

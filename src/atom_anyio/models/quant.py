@@ -190,8 +190,12 @@ def add_dense_copies(model: nn.Module) -> None:
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of every weight the model holds: parameters, buffers and quantized blocks (and their
-    dense copies), each storage once."""
-    tensors = [*model.parameters(), *model.buffers()]
+    dense copies), and float32 panels where they replace a matrix, each storage once."""
+    tensors = [t for t in (*model.parameters(), *model.buffers()) if t.device.type != "meta"]
+    for m in model.modules():  # a float32 matrix packed into panels that replace it (a meta weight): the panels
+        weight = getattr(m, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.device.type == "meta" and m.tile_weight is not None:
+            tensors.append(m.tile_weight)
     for m in quantized_modules(model):
         tensors += [m.weight.data] + ([] if m.weight.dense is None else [m.weight.dense])
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
