@@ -124,9 +124,9 @@ def load_planned(plan: ModelPlan, rank: int = 0) -> LoadedModel:
     invariant, switches = bool(plan.batch_invariant_requested), (plan.native_kernels, plan.amx)
     model = build_model(cfg, tp.shard_state(state), dtype, device, plan.attention_requested, tp, invariant, *switches)
     backend = model.attention_backend
-    # float32 on an AVX2-only CPU, invariant or where auto may turn it on: the linears (GGUF blocks the tiles
-    # take, float32 matrices) on the float32 tile GEMM, invariant by construction and level with or faster
-    # than MKL's at prefill sizes
+    # float32 where the float32 tiles serve (an AVX2-only CPU, an AMD CPU with AVX512), invariant or where auto
+    # may turn it on: the linears (GGUF blocks the tiles take, float32 matrices as panels that replace them) on
+    # the float32 tile GEMM, invariant by construction and level with or faster than MKL's at prefill sizes
     f32_tiles = (
         isinstance(backend.ops, CpuOps)
         and dtype == torch.float32
@@ -228,8 +228,11 @@ def batch_invariant_auto_reason(model: LlamaForCausalLM) -> str | None:
     AVX2-only CPU (a Zen 3), since 2026-12-07: GGUF Q4_0/Q4_1/Q8_0 linears (or float32 matrices) on the
     float32 tile GEMM (qtile_f32.cpp: one FMA chain an element, level with or faster than MKL), SmolLM2
     served at 0.97x the earlier default's output at c16 and 1.10x at one stream (with auto's
-    drafts), no dense copies (RSS 825 against 1,332 MiB). Elsewhere it stays a setting: the oneDNN
-    and MKL GEMMs pay for it (float32 with AVX512, or weights the tiles do not take)."""
+    drafts), no dense copies (RSS 825 against 1,332 MiB); and on an AMD CPU with AVX512 (a Zen 4),
+    since 2026-12-08, float32 matrices as panels that replace them (a tied head stays a matrix on the
+    float32 GEMV): SmolLM2 in float32 served at 1.02-1.18x the float32 default at c16, 1.47x at one
+    stream, the same memory. Elsewhere it stays a setting: the oneDNN and MKL GEMMs pay for it
+    (float32 on Intel's AVX512 CPUs, or weights the tiles do not take)."""
     backend, cfg = model.attention_backend, model.config
     if not may_be_auto_invariant(model) or backend.batch_invariant:
         return None
