@@ -194,7 +194,11 @@ def weight_bytes(model: nn.Module) -> int:
     tensors = [t for t in (*model.parameters(), *model.buffers()) if t.device.type != "meta"]
     for m in model.modules():  # a float32 matrix packed into panels that replace it (a meta weight): the panels
         weight = getattr(m, "weight", None)
-        if isinstance(weight, torch.Tensor) and weight.device.type == "meta" and m.tile_weight is not None:
+        if (
+            isinstance(weight, torch.Tensor)
+            and weight.device.type == "meta"
+            and getattr(m, "tile_weight", None) is not None
+        ):
             tensors.append(m.tile_weight)
     for m in quantized_modules(model):
         tensors += [m.weight.data] + ([] if m.weight.dense is None else [m.weight.dense])
