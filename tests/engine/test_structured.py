@@ -310,6 +310,10 @@ async def test_streamed_constrained_output_joins_to_valid_json(atom):
         ({"guided_regex": "(?<=a)b"}, "guided_regex", "Lookbehind"),
         ({"guided_grammar": "root ::= x"}, "guided_grammar", "not defined"),
         ({"guided_choice": []}, "guided_choice", "non-empty"),
+        # languages with no string in them compile, but no token can start them (a 500 until 2026-12-08)
+        ({"guided_regex": "[^\\s\\S]"}, "guided_regex", "admits no output"),
+        ({"guided_grammar": "root ::= [^\\u0000-\\U0010FFFF]"}, "guided_grammar", "admits no output"),
+        ({"guided_json": {"type": "string", "pattern": "[^\\s\\S]"}}, "guided_json", "admits no output"),
         ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "only one"),
         ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex", "only one"),
         ({"response_format": {"type": "yaml"}}, "response_format.type", "yaml"),
@@ -321,6 +325,24 @@ async def test_unsupported_or_conflicting_constraints_are_a_400_naming_the_field
     status, out = await post(atom, "/v1/chat/completions", {"messages": USER, "max_tokens": 4, **body})
     assert status == 400, out
     assert out["error"]["param"] == param and needle in out["error"]["message"], out
+
+
+async def test_a_grammar_that_dead_ends_mid_output_is_the_requests_fault_streamed_or_not(atom):
+    """A JSON string whose pattern no character matches admits its opening quote and then nothing:
+    the mask allows no token there. A 400 naming the field (an error event naming it once the stream
+    began), never the 500 of a broken mask, and the engine serves the next request."""
+    body = {"messages": USER, "max_tokens": 8, "guided_json": {"type": "string", "pattern": "[^\\s\\S]"}}
+    status, out = await post(atom, "/v1/chat/completions", body)
+    assert status == 400, out
+    assert out["error"]["param"] == "guided_json" and "admits no output" in out["error"]["message"], out
+    r = await atom.quart.test_client().post("/v1/chat/completions", json={**body, "stream": True})
+    events = [
+        json.loads(line[6:]) for line in (await r.get_data(as_text=True)).splitlines() if line.startswith("data: {")
+    ]
+    assert r.status_code == 200 and events[-1]["error"]["param"] == "guided_json", events[-1]
+    assert events[-1]["error"]["type"] == "invalid_request_error"
+    status, out = await post(atom, "/v1/chat/completions", {"messages": USER, "max_tokens": 2})
+    assert status == 200 and out["choices"][0]["finish_reason"] == "length", out
 
 
 async def test_responses_and_messages_refuse_in_their_own_shapes(qwen):

@@ -22,7 +22,12 @@ from atom_anyio.engine.stream import ChoiceDelta, RequestStream
 
 
 class GenerationFailed(Exception):
-    """A request's sequence ended with an engine error (the step failed or the engine stopped)."""
+    """A request's sequence ended with an engine error (the step failed or the engine stopped), or
+    with one the request caused (``param``: its field at fault, e.g. a grammar that admits no output)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class Encoder(Protocol):
@@ -67,7 +72,7 @@ class GenerationStream:
                 raise GenerationFailed("the engine stopped before the request finished") from None
             raise
         if d.finish_reason == "error":
-            raise GenerationFailed(d.error or "the engine failed")
+            raise GenerationFailed(d.error or "the engine failed", d.error_param)
         self.usage.add(d)
         self.num_unfinished -= d.finish_reason is not None
         return d
@@ -99,8 +104,9 @@ async def json_body(body: Awaitable[dict[str, Any]], usage: Usage, admission: Ad
         outcome, status = "ok", 200
         return result
     except GenerationFailed as exc:
-        outcome, status = "error", 500
-        raise engine_error(exc) from None
+        error = engine_error(exc)
+        outcome, status = outcome_of(error.status), error.status
+        raise error from None
     except APIError as exc:
         outcome, status = outcome_of(exc.status), exc.status
         raise
@@ -109,6 +115,8 @@ async def json_body(body: Awaitable[dict[str, Any]], usage: Usage, admission: Ad
 
 
 def engine_error(exc: GenerationFailed) -> APIError:
+    if exc.param is not None:  # the request's own fault: a 400 naming its field
+        return APIError(400, f"Invalid value for '{exc.param}': {exc}", param=exc.param, code="invalid_value")
     return APIError(500, f"The engine failed while generating: {exc}", code="engine_error")
 
 

@@ -64,10 +64,15 @@ class Constraint:
 
     grammar: xgr.CompiledGrammar
     closer: Closer  # how an output near its max_tokens closes the grammar (wind_down.py)
+    param: str = "structured_outputs"  # the request field it came from, named when it admits no output
 
     def new_matcher(self) -> xgr.GrammarMatcher:
         """A matcher for one sequence (each choice its own: their outputs differ)."""
         return xgr.GrammarMatcher(self.grammar)
+
+    def admits_a_token(self, matcher: xgr.GrammarMatcher) -> bool:
+        """Whether ``matcher``'s next mask allows any token (its grammar can go on, or end)."""
+        return admits_a_token(self.grammar, matcher)
 
 
 class Grammars:
@@ -90,7 +95,7 @@ class Grammars:
 
     def constraint(self, spec: StructuredOutputs) -> Constraint:
         """``spec`` compiled, as the engine takes it (see ``compile``)."""
-        return Constraint(self.compile(spec), self.closer)
+        return Constraint(self.compile(spec), self.closer, spec.param)
 
     def compile(self, spec: StructuredOutputs) -> xgr.CompiledGrammar:
         """The grammar of ``spec``; raises ``GrammarError`` naming ``spec.param``. Blocking: call it
@@ -99,12 +104,15 @@ class Grammars:
             check_schema(schema, where)
         future = self._pool.submit(self._compile, spec)
         try:
-            return future.result(timeout=self.timeout_s)
+            grammar = future.result(timeout=self.timeout_s)
         except FutureTimeout:
             raise GrammarError(f"grammar compilation exceeded {self.timeout_s} s", spec.param) from None
         except (RuntimeError, ValueError, TypeError) as exc:
             reason = _LOCATION.sub("", str(exc).strip())
             raise GrammarError(f"'{spec.param}' cannot be compiled into a grammar: {reason}", spec.param) from None
+        if not admits_a_first_token(grammar):
+            raise GrammarError(f"'{spec.param}' admits no output: no token of the vocabulary can start it", spec.param)
+        return grammar
 
     def _compile(self, spec: StructuredOutputs) -> xgr.CompiledGrammar:
         c, v = self.compiler, spec.value
@@ -252,6 +260,22 @@ def _unsupported(param: str, path: str, keyword: str, detail: str = "") -> Gramm
         f"'{param}' uses the JSON Schema keyword '{keyword}'{detail}{where}, which the grammar engine cannot enforce",
         param,
     )
+
+
+def admits_a_first_token(grammar: xgr.CompiledGrammar) -> bool:
+    """Whether the grammar's first mask allows any token (a stop token counts: an empty output is an
+    output). A language with no string in it (the regex ``[^\\s\\S]``, an empty character class)
+    compiles, and its mask would leave every logit -inf: the sampler's pick then broke the grammar,
+    a 500 where the request is at fault."""
+    return admits_a_token(grammar, xgr.GrammarMatcher(grammar))
+
+
+def admits_a_token(grammar: xgr.CompiledGrammar, matcher: xgr.GrammarMatcher) -> bool:
+    """Whether ``matcher`` (of ``grammar``) allows any token next. A grammar can also run into a dead
+    end later (a JSON string whose pattern no character matches: its opening quote, then nothing)."""
+    bitmask = xgr.allocate_token_bitmask(1, grammar.tokenizer_info.vocab_size)
+    matcher.fill_next_token_bitmask(bitmask)
+    return bool(bitmask.any())
 
 
 # each step: the masks filled when it is built (the loop's side), applied by the worker

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Collection
+from dataclasses import dataclass
 
 import anyio
 import structlog
@@ -82,7 +83,9 @@ class OutputProcessor:
                 self.speculator.verified(seq, len(draft), num_accepted)
             if seq.status is Status.RUNNING:  # not aborted while its step ran
                 decided = decide(seq, result.token_ids[first:end], result.logprobs[first:end])
-                if isinstance(decided, str):  # cannot happen while the mask applies; never run past a broken grammar
+                if isinstance(decided, Refused):  # the request's grammar admits no token here: its fault
+                    self.retire(seq, decided.message, decided.param)
+                elif isinstance(decided, str):  # cannot happen while the mask applies; never run past a broken grammar
                     self.retire(seq, decided)
                 else:
                     self._append_tokens(seq, *decided, bool(draft))
@@ -178,16 +181,17 @@ class OutputProcessor:
                 s.stream.send_nowait(delta)
         self.retire(seq)
 
-    def retire(self, seq: Sequence, error: str | None = None) -> None:
+    def retire(self, seq: Sequence, error: str | None = None, error_param: str | None = None) -> None:
         """The one way out of the engine (finished, aborted or failed): the choices not yet
-        released end with it, with an error delta each when ``error`` is given; blocks are freed
-        and the senders closed, after which nothing refers to the sequences."""
+        released end with it, with an error delta each when ``error`` is given (``error_param``:
+        the request's field at fault, where the request caused it); blocks are freed and the
+        senders closed, after which nothing refers to the sequences."""
         if self.speculator is not None and error is None:
             self.speculator.finished(seq)
         for s in (seq, *seq.siblings):
             if error is not None:
                 with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
-                    s.stream.send_nowait(_error_delta(s, error))
+                    s.stream.send_nowait(_error_delta(s, error, error_param))
             s.stream.close()
         seq.siblings = []
         self.scheduler.finish(seq)
@@ -216,13 +220,22 @@ def _is_terminated(seq: Sequence) -> bool:
     return seq.active_matcher is not None and seq.active_matcher.is_terminated()
 
 
-def decide(seq: Sequence, tokens: list[int], lps: list[Logprob | None]) -> tuple[list[int], list] | str:
+@dataclass(frozen=True)
+class Refused:
+    """Why a request's own grammar cannot go on (it admits no token here), and its field."""
+
+    message: str
+    param: str
+
+
+def decide(seq: Sequence, tokens: list[int], lps: list[Logprob | None]) -> tuple[list[int], list] | str | Refused:
     """The one place a step's sampled tokens for ``seq`` become the tokens it appends: a reasoning
     block past its budget takes its end tag, a constrained row winding down keeps room to close its
     grammar (wind_down.py), and the grammar is advanced by each token. A token the model did not
     choose has no logprob. Returns the tokens and logprobs, or why the grammar refused one (then
     nothing is appended). A row with a draft (several tokens) has neither a budget nor a wind-down
-    (the speculator drafts for neither)."""
+    (the speculator drafts for neither). A grammar that admits no token at all here is the
+    request's fault (``Refused``: a 400 naming its field), not a broken mask."""
     matcher = seq.active_matcher  # before the tokens: the end tag that closes a reasoning block is not the grammar's
     if seq.reasoning_budget is not None:
         token, lp = _within_reasoning_budget(seq, tokens[0], lps[0])
@@ -231,8 +244,12 @@ def decide(seq: Sequence, tokens: list[int], lps: list[Logprob | None]) -> tuple
         tokens, lps = [token], [None]
         seq.num_closing_tokens += 1
     if matcher is not None:
-        for token in tokens:
+        for i, token in enumerate(tokens):
             if not matcher.accept_token(token):
+                if seq.constraint is not None and not seq.constraint.admits_a_token(matcher):
+                    param, n = seq.constraint.param, seq.num_output_tokens + i
+                    why = f"no token of the vocabulary can follow its first {n} tokens"
+                    return Refused(f"the grammar admits no output: {why}", param)
                 return f"token {token} violates the request's output grammar"
     return tokens, lps
 
@@ -251,13 +268,14 @@ def _within_reasoning_budget(seq: Sequence, token: int, lp: Logprob | None) -> t
     return token, lp
 
 
-def _error_delta(seq: Sequence, error: str) -> ChoiceDelta:
+def _error_delta(seq: Sequence, error: str, error_param: str | None = None) -> ChoiceDelta:
     return ChoiceDelta(
         index=seq.index,
         text="",
         token_ids=[],
         finish_reason="error",
         error=error,
+        error_param=error_param,
         num_prompt_tokens=seq.num_prompt_tokens,
         num_output_tokens=seq.num_output_tokens,
     )

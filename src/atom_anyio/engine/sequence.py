@@ -75,6 +75,7 @@ class Sequence:
         self.arrival_time = time.monotonic()
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
+        self.constraint = constraint  # its grammar, for telling a dead end from a broken mask
         self.matcher: Any = constraint.new_matcher() if constraint else None  # an xgrammar GrammarMatcher
         self.closer = constraint.closer if constraint else None
         self.num_closing_tokens = 0  # tokens the wind-down chose to close the grammar in time

@@ -45,6 +45,7 @@ class ChoiceDelta:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     error: str | None = None
+    error_param: str | None = None  # an error the request caused: the field at fault (a 400), else None (a 500)
     metrics: dict[str, float] = field(default_factory=dict)
     # on a choice's last delta, with speculative decoding: its draft tokens verified and accepted
     num_draft_tokens: int = 0
@@ -68,6 +69,7 @@ class ChoiceDelta:
         self.num_output_tokens = new.num_output_tokens
         if new.finish_reason is not None:
             self.finish_reason, self.stop_reason, self.error = new.finish_reason, new.stop_reason, new.error
+            self.error_param = new.error_param
         if new.metrics:
             self.metrics = new.metrics
         self.num_draft_tokens = new.num_draft_tokens or self.num_draft_tokens
