@@ -110,7 +110,10 @@ class Grammars:
         except (RuntimeError, ValueError, TypeError) as exc:
             reason = _LOCATION.sub("", str(exc).strip())
             raise GrammarError(f"'{spec.param}' cannot be compiled into a grammar: {reason}", spec.param) from None
-        if not admits_a_first_token(grammar):
+        # a language with no string in it (the regex ``[^\s\S]``, an empty character class) compiles, and
+        # its mask would leave every logit -inf: the sampler's pick then broke the grammar, a 500 where
+        # the request is at fault (a stop token counts: an empty output is an output)
+        if not admits_a_token(grammar, xgr.GrammarMatcher(grammar)):
             raise GrammarError(f"'{spec.param}' admits no output: no token of the vocabulary can start it", spec.param)
         return grammar
 
@@ -260,14 +263,6 @@ def _unsupported(param: str, path: str, keyword: str, detail: str = "") -> Gramm
         f"'{param}' uses the JSON Schema keyword '{keyword}'{detail}{where}, which the grammar engine cannot enforce",
         param,
     )
-
-
-def admits_a_first_token(grammar: xgr.CompiledGrammar) -> bool:
-    """Whether the grammar's first mask allows any token (a stop token counts: an empty output is an
-    output). A language with no string in it (the regex ``[^\\s\\S]``, an empty character class)
-    compiles, and its mask would leave every logit -inf: the sampler's pick then broke the grammar,
-    a 500 where the request is at fault."""
-    return admits_a_token(grammar, xgr.GrammarMatcher(grammar))
 
 
 def admits_a_token(grammar: xgr.CompiledGrammar, matcher: xgr.GrammarMatcher) -> bool:

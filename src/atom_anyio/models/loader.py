@@ -31,7 +31,7 @@ from atom_anyio.models.moe import stack_experts
 from atom_anyio.models.ops import (
     CpuOps,
     can_pack_bf16,
-    embedding_weights,
+    f32_tile_candidates,
     f32_tiles_cover,
     on_tiles,
     pack_bf16_linears,
@@ -236,14 +236,15 @@ def batch_invariant_auto_reason(model: LlamaForCausalLM) -> str | None:
     backend, cfg = model.attention_backend, model.config
     if not may_be_auto_invariant(model) or backend.batch_invariant:
         return None
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear | quant.QuantLinear)]
     if model.lm_head.weight.dtype == torch.float32:  # the float32 tiles (kernels.f32_tile_linears_reason)
-        # a float32 head the embedding shares stays a matrix, on the float32 GEMV (invariant as it is)
-        shared = {id(model.lm_head)} if id(model.lm_head.weight) in embedding_weights(model) else set()
-        if not linears or not all(on_tiles(m) or id(m) in shared for m in linears) or not any(map(on_tiles, linears)):
+        # what they take (a float32 head the embedding shares stays a matrix, on the float32 GEMV,
+        # invariant as it is), every one of them packed
+        candidates = f32_tile_candidates(model)
+        if not candidates or not all(map(on_tiles, candidates)):
             return None
         why = kernels.f32_tile_linears_reason() or "float32 on the float32 tile GEMM"
         return f"{why.partition(':')[0]}: every linear on the float32 tile GEMM (one FMA chain an element)"
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear | quant.QuantLinear)]
     if not linears or not all(on_tiles(m) for m in linears):
         return None
     if not backend.on_amx_tiles:

@@ -338,7 +338,7 @@ def f32_tiles_cover(model: torch.nn.Module) -> bool:
     """Whether every linear of the model is a weight the float32 tile GEMM takes (``f32_tileable``:
     GGUF blocks, or float32 matrices) but a float32 head that the embedding shares, which stays a
     matrix on the float32 GEMV (invariant as it is): where auto turns invariance on over them."""
-    candidates = _tile_candidates(model, embedding_weights(model))
+    candidates = f32_tile_candidates(model)
     return bool(candidates) and all(f32_tileable(m.weight) for m in candidates)
 
 
@@ -347,8 +347,9 @@ def embedding_weights(model: torch.nn.Module) -> set[int]:
     return {id(m.weight) for m in model.modules() if isinstance(m, quant.QuantEmbedding | torch.nn.Embedding)}
 
 
-def _tile_candidates(model: torch.nn.Module, looked_up: set[int]) -> list[torch.nn.Module]:
+def f32_tile_candidates(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The linears the float32 tile GEMM would take: all but a float32 matrix an embedding shares."""
+    looked_up = embedding_weights(model)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear | quant.QuantLinear)]
     return [m for m in linears if isinstance(m.weight, QuantizedWeight) or id(m.weight) not in looked_up]
 
@@ -365,7 +366,7 @@ def pack_f32_tile_linears(model: torch.nn.Module) -> int:
     packed copies take."""
     looked_up = embedding_weights(model)
     num_bytes = 0
-    for m in _tile_candidates(model, looked_up):
+    for m in f32_tile_candidates(model):
         w = m.weight
         if not f32_tileable(w):
             continue
@@ -415,7 +416,7 @@ def pack_bf16_linears(model: torch.nn.Module, tiles: bool | None = None, amx: bo
     if tiles is None:
         tiles = kernels.has_amx_linears()
     chain = tiles and blocks_chain(amx)
-    looked_up = {id(m.weight) for m in model.modules() if isinstance(m, quant.QuantEmbedding)}
+    looked_up = embedding_weights(model)
     num_bytes = 0
     for m in model.modules():
         w = m.weight if isinstance(m, torch.nn.Linear | quant.QuantLinear) else None
